@@ -1,0 +1,5 @@
+module github.com/idemhttp/idemhttp/bench
+
+go 1.25.0
+
+replace github.com/idemhttp/idemhttp => ../

@@ -1,0 +1,42 @@
+// Package idemhttp makes HTTP retries safe for operations that must happen
+// exactly once, such as charging a card or placing an order.
+//
+// # The model
+//
+// A client that times out cannot know whether the server acted. idemhttp
+// names every logical operation with one idempotency key, sends that key on
+// every attempt (and, with a durable [KeyStore], after the process restarts),
+// and lets a server that remembers keys replay the first outcome instead of
+// acting twice. Around that contract, a [Transport] retries only what is safe
+// to retry, waits with full-jitter exponential backoff, obeys Retry-After,
+// and never sleeps past the caller's context.
+//
+// A [Transport] is an [http.RoundTripper]. Wrap any base transport with
+// [NewTransport], or take a ready [http.Client] from [NewClient]:
+//
+//	client := idemhttp.NewClient()
+//	ctx := idemhttp.WithOperation(ctx, "charge-order-1234")
+//	req, _ := http.NewRequestWithContext(ctx, "POST", url, body)
+//	resp, err := client.Do(req)
+//
+// # What is retried
+//
+// Idempotent methods (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) and any request
+// carrying an idempotency key are retried on connection failures, attempt
+// timeouts and the statuses 408, 425, 429, 500, 502, 503 and 504; a 409 only
+// when it carries Retry-After, which is how an idempotent server says the
+// first request with this key is still in progress. Other requests are retried
+// only when the error proves nothing was sent, such as a failed dial. The
+// caller's own context ending, TLS verification failures and other 4xx
+// statuses are never retried.
+//
+// # Operations and keys
+//
+// Requests whose method is keyed (POST and PATCH by default) get an
+// Idempotency-Key header unless the caller already set one. Without an
+// operation in the context the key is a fresh UUIDv7 shared by the attempts
+// of one RoundTrip. With [WithOperation] the key comes from the configured
+// [KeyStore] and stays pending until the outcome is final (a 2xx or 3xx, or a
+// 4xx that is not retryable), so a later call for the same operation, in this
+// process or the next, sends the same key.
+package idemhttp

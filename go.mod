@@ -1,0 +1,3 @@
+module github.com/idemhttp/idemhttp
+
+go 1.25.0

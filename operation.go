@@ -1,0 +1,21 @@
+package idemhttp
+
+import "context"
+
+type operationKey struct{}
+
+// WithOperation returns a copy of ctx that names the logical operation id.
+// A keyed request made with the returned context takes its idempotency key
+// from the Transport's [KeyStore]: the pending key of id if there is one,
+// else a new key recorded before the first attempt is sent. Use one id per
+// business operation (an order number, a payment intent) and reuse it when
+// the operation is retried later or after a restart.
+func WithOperation(ctx context.Context, id string) context.Context {
+	return context.WithValue(ctx, operationKey{}, id)
+}
+
+// OperationFrom returns the operation id that [WithOperation] stored in ctx.
+func OperationFrom(ctx context.Context) (id string, ok bool) {
+	id, ok = ctx.Value(operationKey{}).(string)
+	return id, ok
+}
