@@ -1,0 +1,88 @@
+package idemhttp
+
+import "time"
+
+// Attempt describes one attempt of a request, and what the Transport decided
+// after it. The hook set with [WithAttemptHook] receives one per attempt.
+type Attempt struct {
+	// Method and Host are the request's method and URL host (host[:port]).
+	Method, Host string
+	// Key is the idempotency key the attempt carried, or "" if it had none.
+	Key string
+	// Operation is the id given to [WithOperation], or "" if there was none.
+	Operation string
+	// Number counts the attempts of this request, starting at 1.
+	Number int
+	// StatusCode is the response status, or 0 if the attempt failed with Err.
+	StatusCode int
+	// Err is the error the attempt failed with, or nil if it got a response.
+	Err error
+	// Elapsed is how long the attempt took, up to the response headers.
+	Elapsed time.Duration
+	// Wait is how long the Transport waits before the next attempt; it is
+	// zero when no attempt follows.
+	Wait time.Duration
+	// Reason says why another attempt follows (ReasonBackoff,
+	// ReasonRetryAfter) or why none does (every other Reason).
+	Reason Reason
+}
+
+// Retrying reports whether another attempt follows this one.
+func (a Attempt) Retrying() bool {
+	return a.Reason == ReasonBackoff || a.Reason == ReasonRetryAfter
+}
+
+// Reason names why the Transport retried or stopped after an attempt.
+type Reason string
+
+// Reasons reported in [Attempt.Reason] and [RetryError.Reason].
+const (
+	// ReasonBackoff: the attempt is retried after the backoff delay.
+	ReasonBackoff Reason = "backoff"
+	// ReasonRetryAfter: the attempt is retried after the wait the server
+	// asked for with Retry-After, which exceeded the backoff delay.
+	ReasonRetryAfter Reason = "retry-after"
+
+	// ReasonSuccess: a 2xx or 3xx response; the outcome is final.
+	ReasonSuccess Reason = "success"
+	// ReasonNotRetryable: the status or error is not one that is retried,
+	// or the request is not safe to send again.
+	ReasonNotRetryable Reason = "not retryable"
+	// ReasonAttemptsExhausted: the maximum number of attempts was made.
+	ReasonAttemptsExhausted Reason = "attempts exhausted"
+	// ReasonWaitPastDeadline: the wait before the next attempt would end
+	// after the context's deadline, so no attempt could follow in time.
+	ReasonWaitPastDeadline Reason = "wait past deadline"
+	// ReasonBodyNotReplayable: the request body cannot be sent again (it was
+	// larger than the buffer limit, or GetBody failed).
+	ReasonBodyNotReplayable Reason = "body not replayable"
+	// ReasonCanceled: the caller's context ended.
+	ReasonCanceled Reason = "canceled"
+	// ReasonBudgetExhausted: the retry budget refused the retry.
+	ReasonBudgetExhausted Reason = "budget exhausted"
+	// ReasonCircuitOpen: the host's circuit breaker refused the attempt.
+	ReasonCircuitOpen Reason = "circuit open"
+	// ReasonKeyStore: the key store failed to provide the operation's key,
+	// so nothing was sent.
+	ReasonKeyStore Reason = "key store failed"
+)
+
+// sentinel returns the exported error matching r, or nil when r is not a
+// reason to give up that has one.
+func (r Reason) sentinel() error {
+	switch r {
+	case ReasonAttemptsExhausted:
+		return ErrAttemptsExhausted
+	case ReasonWaitPastDeadline:
+		return ErrWaitPastDeadline
+	case ReasonBodyNotReplayable:
+		return ErrBodyNotReplayable
+	case ReasonBudgetExhausted:
+		return ErrBudgetExhausted
+	case ReasonCircuitOpen:
+		return ErrCircuitOpen
+	case ReasonKeyStore:
+		return ErrKeyStore
+	}
+	return nil
+}

@@ -1,0 +1,126 @@
+package idemhttp
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"syscall"
+)
+
+// idempotentMethod reports whether RFC 9110 section 9.2.2 defines method as
+// idempotent, so that sending it twice has the effect of sending it once.
+func idempotentMethod(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace,
+		http.MethodPut, http.MethodDelete:
+		return true
+	}
+	return false
+}
+
+// retryableStatus reports whether a response with this status may succeed
+// if the request is sent again. A 409 qualifies only with Retry-After, the
+// way an idempotency-aware server says "the first request with this key is
+// still in progress"; any other 409 is a real conflict.
+func retryableStatus(code int, header http.Header) bool {
+	switch code {
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests,
+		http.StatusInternalServerError, http.StatusBadGateway,
+		http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return true
+	case http.StatusConflict:
+		return header.Get("Retry-After") != ""
+	}
+	return false
+}
+
+// finalStatus reports whether a response ends an operation for good, so its
+// idempotency key can be forgotten: a success, a redirect, or a client error
+// that sending again would not change.
+func finalStatus(code int, header http.Header) bool {
+	return code < 400 || (code < 500 && !retryableStatus(code, header))
+}
+
+// errorClass is what an attempt's error says about retrying it.
+type errorClass int
+
+const (
+	// errFinal: retrying cannot help (a TLS verification failure, a
+	// malformed request) or is not ours to do (the caller's context ended).
+	errFinal errorClass = iota
+	// errTransient: the attempt failed in a way that may not recur, but the
+	// server may have received and acted on the request.
+	errTransient
+	// errNotSent: the attempt failed before any byte of the request could
+	// reach the server, so even a non-idempotent request may be resent.
+	errNotSent
+)
+
+// classifyError sorts an attempt's error. attemptCtx is the context the
+// attempt ran with; callerCtx is the caller's. Unknown errors are final: a
+// retry library must not guess that an unrecognised failure is harmless.
+func classifyError(err error, callerCtx, attemptCtx context.Context) errorClass {
+	if callerCtx.Err() != nil {
+		return errFinal
+	}
+	if attemptCtx.Err() != nil {
+		return errTransient // the attempt timed out
+	}
+
+	var (
+		unknownAuthority x509.UnknownAuthorityError
+		hostname         x509.HostnameError
+		invalidCert      x509.CertificateInvalidError
+		verification     *tls.CertificateVerificationError
+		recordHeader     tls.RecordHeaderError
+	)
+	if errors.As(err, &unknownAuthority) || errors.As(err, &hostname) ||
+		errors.As(err, &invalidCert) || errors.As(err, &verification) ||
+		errors.As(err, &recordHeader) {
+		return errFinal
+	}
+
+	var dnsErr *net.DNSError
+	if errors.As(err, &dnsErr) {
+		if dnsErr.IsTimeout || dnsErr.IsTemporary {
+			return errNotSent
+		}
+		return errFinal // the name does not exist; asking again will not help
+	}
+	var opErr *net.OpError
+	if errors.As(err, &opErr) && opErr.Op == "dial" {
+		return errNotSent
+	}
+	if errors.Is(err, syscall.ECONNREFUSED) {
+		return errNotSent
+	}
+	if errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) ||
+		errors.Is(err, syscall.ECONNABORTED) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+		return errTransient
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) && netErr.Timeout() {
+		return errTransient
+	}
+	if isHTTP2Transient(err) {
+		return errTransient
+	}
+	return errFinal
+}
+
+// isHTTP2Transient recognises HTTP/2 connection shutdowns and stream resets.
+// net/http's HTTP/2 error types are unexported, so their messages are the
+// only stable signal.
+func isHTTP2Transient(err error) bool {
+	msg := err.Error()
+	return strings.Contains(msg, "http2: server sent GOAWAY") ||
+		strings.Contains(msg, "stream error: stream ID") ||
+		strings.Contains(msg, "http2: client connection lost") ||
+		strings.Contains(msg, "http: server closed idle connection")
+}

@@ -1,0 +1,33 @@
+package idemhttp
+
+import (
+	"strings"
+
+	"github.com/google/uuid"
+)
+
+// newUUIDv7 returns a new UUIDv7 string: random enough to be unique, and
+// time-ordered, which keeps servers' key indexes compact.
+func newUUIDv7() (string, error) {
+	id, err := uuid.NewV7()
+	if err != nil {
+		return "", err
+	}
+	return id.String(), nil
+}
+
+// structuredString encodes s as a Structured Fields sf-string (RFC 9651
+// section 3.3.3): quoted, with backslash and double quote escaped.
+func structuredString(s string) string {
+	var b strings.Builder
+	b.Grow(len(s) + 2)
+	b.WriteByte('"')
+	for i := 0; i < len(s); i++ {
+		if s[i] == '"' || s[i] == '\\' {
+			b.WriteByte('\\')
+		}
+		b.WriteByte(s[i])
+	}
+	b.WriteByte('"')
+	return b.String()
+}

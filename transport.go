@@ -1,0 +1,326 @@
+package idemhttp
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"slices"
+	"time"
+)
+
+// Transport is an [http.RoundTripper] that retries safely. Each call to
+// RoundTrip is one logical operation: it gets one idempotency key (when its
+// method is keyed), and every attempt it makes carries that key.
+//
+// Transport honours the RoundTripper contract exactly. It never modifies the
+// caller's request: each attempt is sent as a copy with its own header map.
+// It closes the caller's request body exactly once on every path, including
+// refusals before any attempt. It returns either a response or an error,
+// never both; a response with a failing status after the last attempt is a
+// response, not an error. The context of the attempt that produced the
+// returned response stays alive until the caller closes the response body.
+//
+// A Transport is safe for concurrent use by multiple goroutines. Configure
+// it with options when it is made; it has no setters.
+type Transport struct {
+	base http.RoundTripper
+	cfg  config
+}
+
+// NewTransport returns a Transport that sends attempts through base, or
+// through [http.DefaultTransport] if base is nil.
+func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
+	if base == nil {
+		base = http.DefaultTransport
+	}
+	return &Transport{base: base, cfg: newConfig(opts)}
+}
+
+// CloseIdleConnections closes the idle connections of the base transport,
+// if it has that method, so that [http.Client.CloseIdleConnections] reaches
+// through the Transport.
+func (t *Transport) CloseIdleConnections() {
+	if c, ok := t.base.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
+// RoundTrip implements [http.RoundTripper]. See [Transport] for what it
+// does with keys, retries and the request.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	body, err := newRequestBody(req, t.cfg.bodyLimit)
+	if err != nil {
+		return nil, err
+	}
+	c := &call{t: t, req: req, ctx: req.Context(), body: body}
+	resp, err := c.run()
+	body.close()
+	return resp, err
+}
+
+// errNilResponse reports a base transport that returned neither a response
+// nor an error.
+var errNilResponse = errors.New("idemhttp: base transport returned a nil response and a nil error")
+
+// call is the state of one RoundTrip.
+type call struct {
+	t    *Transport
+	req  *http.Request
+	ctx  context.Context
+	body *requestBody
+
+	key       string      // the idempotency key, or "" if none
+	header    http.Header // the caller's header with the key added
+	operation string      // from WithOperation, or ""
+	pending   bool        // key is pending in the KeyStore under operation
+	resend    bool        // the request may be sent again after it reached the server
+}
+
+func (c *call) run() (*http.Response, error) {
+	if err := c.assignKey(); err != nil {
+		return nil, c.giveUp(0, ReasonKeyStore, err)
+	}
+	for n := 1; ; n++ {
+		o := c.attempt(n)
+		reason, wait := c.decide(n, o)
+		c.report(n, o, reason, wait)
+
+		if reason == ReasonBackoff || reason == ReasonRetryAfter {
+			discard(o.resp)
+			o.cancel()
+			if err := sleep(c.ctx, wait); err != nil {
+				return nil, c.giveUp(n, ReasonCanceled, err)
+			}
+			continue
+		}
+		if o.err != nil {
+			o.cancel()
+			return nil, c.giveUp(n, reason, o.err)
+		}
+		if finalStatus(o.resp.StatusCode, o.resp.Header) {
+			c.release()
+		}
+		if c.t.cfg.attemptTimeout > 0 {
+			o.resp.Body = &cancelOnClose{ReadCloser: o.resp.Body, cancel: o.cancel}
+		}
+		return o.resp, nil
+	}
+}
+
+// assignKey decides the idempotency key: the caller's, the operation's
+// pending key, or a new one.
+func (c *call) assignKey() error {
+	cfg := &c.t.cfg
+	c.header = c.req.Header
+	c.key = c.req.Header.Get(cfg.keyHeader)
+	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
+		key, err := cfg.newKey()
+		if err != nil {
+			return err
+		}
+		if op, ok := OperationFrom(c.ctx); ok {
+			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
+				return err
+			}
+			c.operation, c.pending = op, true
+		}
+		c.key = key
+		value := key
+		if cfg.structuredKey {
+			value = structuredString(key)
+		}
+		c.header = c.req.Header.Clone()
+		if c.header == nil {
+			c.header = make(http.Header, 1)
+		}
+		c.header[cfg.keyHeader] = []string{value}
+	}
+	c.resend = idempotentMethod(c.req.Method) || c.key != ""
+	return nil
+}
+
+// outcome is what one attempt produced.
+type outcome struct {
+	resp    *http.Response // nil if err is set
+	err     error
+	ctx     context.Context    // the attempt's context
+	cancel  context.CancelFunc // ends ctx; call once resp is not needed
+	elapsed time.Duration
+	unsent  bool // the attempt could not be made: its body was unavailable
+}
+
+// attempt sends attempt n.
+func (c *call) attempt(n int) outcome {
+	o := outcome{ctx: c.ctx, cancel: func() {}}
+	if d := c.t.cfg.attemptTimeout; d > 0 {
+		o.ctx, o.cancel = context.WithTimeout(c.ctx, d)
+	}
+	body, getBody, err := c.body.forAttempt(n)
+	if err != nil {
+		o.err, o.unsent = err, true
+		return o
+	}
+	r := c.req.WithContext(o.ctx)
+	r.Header = c.header.Clone()
+	r.Body, r.GetBody = body, getBody
+
+	start := time.Now()
+	o.resp, o.err = c.t.base.RoundTrip(r)
+	o.elapsed = time.Since(start)
+	if o.err != nil && o.resp != nil {
+		// The base transport broke its contract; keep only the error.
+		discard(o.resp)
+		o.resp = nil
+	}
+	if o.err == nil && o.resp == nil {
+		o.err = errNilResponse
+	}
+	return o
+}
+
+// decide says whether attempt n is retried, after what wait, and why.
+func (c *call) decide(n int, o outcome) (Reason, time.Duration) {
+	cfg := &c.t.cfg
+	if o.unsent {
+		return ReasonBodyNotReplayable, 0
+	}
+	if o.err != nil {
+		switch classifyError(o.err, c.ctx, o.ctx) {
+		case errFinal:
+			if c.ctx.Err() != nil {
+				return ReasonCanceled, 0
+			}
+			return ReasonNotRetryable, 0
+		case errTransient:
+			if !c.resend {
+				return ReasonNotRetryable, 0
+			}
+		}
+	} else {
+		code := o.resp.StatusCode
+		switch {
+		case code < 400:
+			return ReasonSuccess, 0
+		case !c.resend || !retryableStatus(code, o.resp.Header):
+			return ReasonNotRetryable, 0
+		}
+	}
+
+	if !c.body.replayable {
+		return ReasonBodyNotReplayable, 0
+	}
+	if n >= cfg.maxAttempts {
+		return ReasonAttemptsExhausted, 0
+	}
+	reason, wait := ReasonBackoff, cfg.backoff.Delay(n)
+	if o.resp != nil {
+		if ra, ok := ParseRetryAfter(o.resp.Header.Get("Retry-After"), time.Now()); ok {
+			if ra = min(ra, cfg.maxRetryAfter); ra > wait {
+				reason, wait = ReasonRetryAfter, ra
+			}
+		}
+	}
+	if deadline, ok := c.ctx.Deadline(); ok && time.Until(deadline) <= wait {
+		return ReasonWaitPastDeadline, 0
+	}
+	return reason, wait
+}
+
+// report tells the hook and the logger about attempt n.
+func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
+	cfg := &c.t.cfg
+	if cfg.hook == nil && cfg.logger == nil {
+		return
+	}
+	a := Attempt{
+		Method:    c.req.Method,
+		Host:      c.req.URL.Host,
+		Key:       c.key,
+		Operation: c.operation,
+		Number:    n,
+		Err:       o.err,
+		Elapsed:   o.elapsed,
+		Wait:      wait,
+		Reason:    reason,
+	}
+	if o.resp != nil {
+		a.StatusCode = o.resp.StatusCode
+	}
+	if cfg.hook != nil {
+		cfg.hook(a)
+	}
+	if cfg.logger != nil {
+		c.log(a)
+	}
+}
+
+func (c *call) log(a Attempt) {
+	level, msg := slog.LevelDebug, "idemhttp: retrying"
+	switch {
+	case a.Retrying():
+	case a.Reason == ReasonSuccess || a.Reason == ReasonNotRetryable || a.Reason == ReasonCanceled:
+		return
+	default:
+		level, msg = slog.LevelWarn, "idemhttp: giving up"
+	}
+	if !c.t.cfg.logger.Enabled(c.ctx, level) {
+		return
+	}
+	attrs := []slog.Attr{
+		slog.String("method", a.Method),
+		slog.String("host", a.Host),
+		slog.Int("attempt", a.Number),
+		slog.String("reason", string(a.Reason)),
+	}
+	if a.Key != "" {
+		attrs = append(attrs, slog.String("key", a.Key))
+	}
+	if a.Operation != "" {
+		attrs = append(attrs, slog.String("operation", a.Operation))
+	}
+	if a.Err != nil {
+		attrs = append(attrs, slog.String("error", a.Err.Error()))
+	} else {
+		attrs = append(attrs, slog.Int("status", a.StatusCode))
+	}
+	if a.Retrying() {
+		attrs = append(attrs, slog.Duration("wait", a.Wait))
+	}
+	c.t.cfg.logger.LogAttrs(c.ctx, level, msg, attrs...)
+}
+
+// release forgets the operation's key once its outcome is final. A failure
+// to forget is logged, not returned: the response is good, and a key left
+// pending is only sent again, which an idempotent server answers by replay.
+func (c *call) release() {
+	if !c.pending {
+		return
+	}
+	err := c.t.cfg.keyStore.Release(context.WithoutCancel(c.ctx), c.operation, c.key)
+	if err != nil && c.t.cfg.logger != nil {
+		c.t.cfg.logger.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: releasing key",
+			slog.String("operation", c.operation), slog.String("error", err.Error()))
+	}
+}
+
+// giveUp builds the error for a request that ends without a response.
+func (c *call) giveUp(attempts int, reason Reason, err error) error {
+	return &RetryError{Attempts: attempts, Reason: reason, Err: err}
+}
+
+// sleep waits for d or until ctx ends, whichever is first, and returns
+// ctx's error in the second case.
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-timer.C:
+		return nil
+	}
+}

@@ -1,0 +1,418 @@
+package idemhttp
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptrace"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func post(t *testing.T, ctx context.Context, url, body string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	require.NoError(t, err)
+	return req
+}
+
+func do(t *testing.T, rt http.RoundTripper, req *http.Request) *http.Response {
+	t.Helper()
+	resp, err := rt.RoundTrip(req)
+	require.NoError(t, err)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	require.NoError(t, resp.Body.Close())
+	return resp
+}
+
+func TestEveryAttemptOfOneRequestCarriesTheSameKey(t *testing.T) {
+	srv := newServer(t, status(503), status(502), status(200))
+	tr := NewTransport(newBaseTransport(t), WithBackoff(noWait))
+
+	resp := do(t, tr, post(t, context.Background(), srv.URL, "charge"))
+
+	assert.Equal(t, 200, resp.StatusCode)
+	keys := srv.keys()
+	require.Len(t, keys, 3)
+	assert.NotEmpty(t, keys[0])
+	assert.Equal(t, []string{keys[0], keys[0], keys[0]}, keys)
+}
+
+func TestKeyAssignment(t *testing.T) {
+	tests := []struct {
+		name     string
+		method   string
+		opts     []Option
+		header   [2]string // a header the caller sets
+		wantName string    // header the key travels in
+		check    func(t *testing.T, got string)
+	}{
+		{name: "POST gets a UUIDv7", method: "POST", wantName: "Idempotency-Key", check: isUUIDv7},
+		{name: "PATCH gets a key", method: "PATCH", wantName: "Idempotency-Key", check: isUUIDv7},
+		{name: "GET gets none", method: "GET", wantName: "Idempotency-Key", check: isEmpty},
+		{name: "PUT gets none", method: "PUT", wantName: "Idempotency-Key", check: isEmpty},
+		{name: "caller's key kept", method: "POST", header: [2]string{"Idempotency-Key", "order-77"},
+			wantName: "Idempotency-Key", check: equals("order-77")},
+		{name: "caller's key on GET kept", method: "GET", header: [2]string{"Idempotency-Key", "g-1"},
+			wantName: "Idempotency-Key", check: equals("g-1")},
+		{name: "header name option", method: "POST", opts: []Option{WithKeyHeader("x-request-key")},
+			wantName: "X-Request-Key", check: isUUIDv7},
+		{name: "header name option leaves default unset", method: "POST", opts: []Option{WithKeyHeader("X-Request-Key")},
+			wantName: "Idempotency-Key", check: isEmpty},
+		{name: "caller's key under custom name kept", method: "POST", opts: []Option{WithKeyHeader("X-Request-Key")},
+			header: [2]string{"X-Request-Key", "mine"}, wantName: "X-Request-Key", check: equals("mine")},
+		{name: "structured key", method: "POST", opts: []Option{WithStructuredKey()},
+			wantName: "Idempotency-Key", check: isQuotedUUIDv7},
+		{name: "structured key leaves caller's alone", method: "POST", opts: []Option{WithStructuredKey()},
+			header: [2]string{"Idempotency-Key", "plain"}, wantName: "Idempotency-Key", check: equals("plain")},
+		{name: "keyed methods option", method: "PUT", opts: []Option{WithKeyedMethods("PUT")},
+			wantName: "Idempotency-Key", check: isUUIDv7},
+		{name: "keyed methods option drops POST", method: "POST", opts: []Option{WithKeyedMethods("PUT")},
+			wantName: "Idempotency-Key", check: isEmpty},
+		{name: "key generator option", method: "POST",
+			opts:     []Option{WithKeyGenerator(func() (string, error) { return "generated", nil })},
+			wantName: "Idempotency-Key", check: equals("generated")},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, status(200))
+			req, err := http.NewRequest(tt.method, srv.URL, strings.NewReader("x"))
+			require.NoError(t, err)
+			if tt.header[0] != "" {
+				req.Header.Set(tt.header[0], tt.header[1])
+			}
+			do(t, NewTransport(newBaseTransport(t), tt.opts...), req)
+			got := srv.received()
+			require.Len(t, got, 1)
+			tt.check(t, got[0].Header.Get(tt.wantName))
+		})
+	}
+}
+
+func isUUIDv7(t *testing.T, got string) {
+	t.Helper()
+	require.Len(t, got, 36, "key %q", got)
+	assert.Equal(t, byte('7'), got[14], "version nibble of %q", got)
+}
+
+func isQuotedUUIDv7(t *testing.T, got string) {
+	t.Helper()
+	require.True(t, len(got) == 38 && got[0] == '"' && got[37] == '"', "key %q", got)
+	isUUIDv7(t, got[1:37])
+}
+
+func isEmpty(t *testing.T, got string) { t.Helper(); assert.Empty(t, got) }
+
+func equals(want string) func(*testing.T, string) {
+	return func(t *testing.T, got string) { t.Helper(); assert.Equal(t, want, got) }
+}
+
+func TestTwoRequestsGetDifferentKeys(t *testing.T) {
+	srv := newServer(t, status(200))
+	tr := NewTransport(newBaseTransport(t))
+	do(t, tr, post(t, context.Background(), srv.URL, "a"))
+	do(t, tr, post(t, context.Background(), srv.URL, "b"))
+	keys := srv.keys()
+	require.Len(t, keys, 2)
+	assert.NotEqual(t, keys[0], keys[1])
+}
+
+func TestStructuredStringEscapes(t *testing.T) {
+	assert.Equal(t, `"a\"b\\c"`, structuredString(`a"b\c`))
+	assert.Equal(t, `""`, structuredString(""))
+}
+
+func TestKeyGeneratorErrorSendsNothing(t *testing.T) {
+	srv := newServer(t, status(200))
+	boom := errors.New("no entropy")
+	tr := NewTransport(newBaseTransport(t), WithKeyGenerator(func() (string, error) { return "", boom }))
+	body := newTrackedBody("x")
+	req, err := http.NewRequest("POST", srv.URL, body)
+	require.NoError(t, err)
+
+	resp, err := tr.RoundTrip(req)
+
+	assert.Nil(t, resp)
+	assert.ErrorIs(t, err, boom)
+	assert.ErrorIs(t, err, ErrKeyStore)
+	assert.Zero(t, srv.hits.Load())
+	assert.Equal(t, int32(1), body.closes.Load())
+}
+
+// The request body must reach the server byte-identical on every attempt,
+// whether the Transport rewinds it with GetBody or buffers it.
+func TestBodyIsIdenticalOnEveryAttempt(t *testing.T) {
+	payload := strings.Repeat("0123456789abcdef", 4096) // 64 KiB
+	tests := []struct {
+		name string
+		req  func(url string) *http.Request
+	}{
+		{"GetBody", func(url string) *http.Request {
+			r, _ := http.NewRequest("POST", url, bytes.NewReader([]byte(payload)))
+			require.NotNil(t, r.GetBody)
+			return r
+		}},
+		{"buffered", func(url string) *http.Request {
+			r, _ := http.NewRequest("POST", url, io.NopCloser(strings.NewReader(payload)))
+			require.Nil(t, r.GetBody)
+			return r
+		}},
+		{"buffered, unknown length", func(url string) *http.Request {
+			r, _ := http.NewRequest("POST", url, io.MultiReader(strings.NewReader(payload)))
+			r.ContentLength = -1
+			return r
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, status(503), hangUp, status(500), status(201))
+			resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), tt.req(srv.URL))
+			assert.Equal(t, 201, resp.StatusCode)
+			got := srv.received()
+			require.Len(t, got, 4)
+			for i, r := range got {
+				assert.True(t, string(r.Body) == payload, "attempt %d body differs (%d bytes)", i+1, len(r.Body))
+			}
+		})
+	}
+}
+
+func TestBodyOverBufferLimitIsSentOnceAndNotRetried(t *testing.T) {
+	srv := newServer(t, status(503))
+	var attempts []Attempt
+	tr := NewTransport(newBaseTransport(t), WithBackoff(noWait), WithBodyBufferLimit(1024),
+		WithAttemptHook(func(a Attempt) { attempts = append(attempts, a) }))
+	payload := strings.Repeat("z", 4096)
+	body := newTrackedBody(payload)
+	req, err := http.NewRequest("POST", srv.URL, body)
+	require.NoError(t, err)
+
+	resp := do(t, tr, req)
+
+	assert.Equal(t, 503, resp.StatusCode, "the last outcome is returned")
+	got := srv.received()
+	require.Len(t, got, 1)
+	assert.Equal(t, payload, string(got[0].Body), "the whole body was streamed")
+	require.Len(t, attempts, 1)
+	assert.Equal(t, ReasonBodyNotReplayable, attempts[0].Reason)
+	assert.Equal(t, int32(1), body.closes.Load())
+}
+
+func TestBodyReadErrorIsReturnedAndBodyClosed(t *testing.T) {
+	srv := newServer(t, status(200))
+	boom := errors.New("disk gone")
+	body := &trackedBody{r: io.MultiReader(strings.NewReader("abc"), errReader{boom})}
+	req, err := http.NewRequest("POST", srv.URL, body)
+	require.NoError(t, err)
+
+	resp, err := NewTransport(newBaseTransport(t)).RoundTrip(req)
+
+	assert.Nil(t, resp)
+	assert.ErrorIs(t, err, boom)
+	assert.Zero(t, srv.hits.Load())
+	assert.Equal(t, int32(1), body.closes.Load())
+}
+
+type errReader struct{ err error }
+
+func (r errReader) Read([]byte) (int, error) { return 0, r.err }
+
+func TestGetBodyFailureStopsRetrying(t *testing.T) {
+	srv := newServer(t, status(503))
+	boom := errors.New("cannot rewind")
+	req := post(t, context.Background(), srv.URL, "x")
+	req.GetBody = func() (io.ReadCloser, error) { return nil, boom }
+
+	resp, err := NewTransport(newBaseTransport(t), WithBackoff(noWait)).RoundTrip(req)
+
+	assert.Nil(t, resp)
+	assert.ErrorIs(t, err, boom)
+	assert.ErrorIs(t, err, ErrBodyNotReplayable)
+	assert.Equal(t, int32(1), srv.hits.Load())
+}
+
+// snapshot captures everything of a request that RoundTrip must not change.
+type snapshot struct {
+	method, url string
+	header      http.Header
+	body        io.ReadCloser
+	getBody     bool
+	ctx         context.Context
+	length      int64
+}
+
+func snap(r *http.Request) snapshot {
+	return snapshot{r.Method, r.URL.String(), r.Header.Clone(), r.Body, r.GetBody != nil, r.Context(), r.ContentLength}
+}
+
+func TestCallerRequestIsNeverMutated(t *testing.T) {
+	// A base transport that scribbles on what it is given, as some do.
+	srv := newServer(t, status(503), status(200))
+	base := newBaseTransport(t)
+	scribbler := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		r.Header.Set("X-Scribble", "1")
+		return base.RoundTrip(r)
+	})
+	for _, opts := range [][]Option{nil, {WithAttemptTimeout(10e9)}, {WithStructuredKey()}} {
+		req := post(t, WithOperation(context.Background(), "op"), srv.URL, "body")
+		req.Header.Set("X-Caller", "yes")
+		before := snap(req)
+
+		do(t, NewTransport(scribbler, append(opts, WithBackoff(noWait))...), req)
+
+		after := snap(req)
+		assert.Equal(t, before.header, after.header)
+		assert.Empty(t, req.Header.Get("Idempotency-Key"))
+		assert.Equal(t, before.method, after.method)
+		assert.Equal(t, before.url, after.url)
+		assert.True(t, before.body == after.body, "Body replaced")
+		assert.Equal(t, before.getBody, after.getBody)
+		assert.True(t, before.ctx == after.ctx, "context replaced")
+		assert.Equal(t, before.length, after.length)
+		srv.hits.Store(0)
+	}
+}
+
+// The caller's body must be closed exactly once on every path.
+func TestCallerBodyClosedExactlyOnce(t *testing.T) {
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	failing := &failingStore{err: errors.New("store down")}
+	tests := []struct {
+		name    string
+		ctx     context.Context
+		opts    []Option
+		getBody bool
+		reply   []func(http.ResponseWriter, *http.Request)
+	}{
+		{name: "success", reply: []func(http.ResponseWriter, *http.Request){status(200)}},
+		{name: "success with GetBody", getBody: true, reply: []func(http.ResponseWriter, *http.Request){status(200)}},
+		{name: "retried", reply: []func(http.ResponseWriter, *http.Request){status(503), status(200)}},
+		{name: "retried with GetBody", getBody: true, reply: []func(http.ResponseWriter, *http.Request){status(503), hangUp, status(200)}},
+		{name: "exhausted", reply: []func(http.ResponseWriter, *http.Request){status(503)}},
+		{name: "over buffer limit", opts: []Option{WithBodyBufferLimit(1)}, reply: []func(http.ResponseWriter, *http.Request){status(503)}},
+		{name: "key store refuses before any attempt", getBody: true, ctx: WithOperation(context.Background(), "op"),
+			opts: []Option{WithKeyStore(failing)}, reply: []func(http.ResponseWriter, *http.Request){status(200)}},
+		{name: "context canceled before start", getBody: true, ctx: canceled, reply: []func(http.ResponseWriter, *http.Request){status(200)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, tt.reply...)
+			body := newTrackedBody("payload")
+			ctx := tt.ctx
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			req, err := http.NewRequestWithContext(ctx, "POST", srv.URL, body)
+			require.NoError(t, err)
+			if tt.getBody {
+				req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(strings.NewReader("payload")), nil }
+			}
+			resp, err := NewTransport(newBaseTransport(t), append(tt.opts, WithBackoff(noWait))...).RoundTrip(req)
+			if err == nil {
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			assert.Equal(t, int32(1), body.closes.Load())
+		})
+	}
+}
+
+type failingStore struct{ err error }
+
+func (s *failingStore) Acquire(context.Context, string, string) (string, error) { return "", s.err }
+func (s *failingStore) Release(context.Context, string, string) error          { return s.err }
+func (s *failingStore) Pending(context.Context) ([]PendingOperation, error)    { return nil, s.err }
+
+func TestNeverReturnsResponseAndError(t *testing.T) {
+	boom := errors.New("broken base")
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		return okResponse(r, 200), boom
+	})
+	resp, err := NewTransport(base, WithBackoff(noWait)).RoundTrip(post(t, context.Background(), "http://x.invalid", "x"))
+	assert.Nil(t, resp)
+	assert.ErrorIs(t, err, boom)
+
+	nilBoth := roundTripFunc(func(*http.Request) (*http.Response, error) { return nil, nil })
+	resp, err = NewTransport(nilBoth).RoundTrip(post(t, context.Background(), "http://x.invalid", "x"))
+	assert.Nil(t, resp)
+	assert.Error(t, err)
+}
+
+// Discarded attempts' bodies are drained and closed, so every retry reuses
+// the first attempt's connection.
+func TestDiscardedResponsesAreDrainedForConnectionReuse(t *testing.T) {
+	big := strings.Repeat("e", 32<<10)
+	errorWithBody := func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(503)
+		io.WriteString(w, big)
+	}
+	srv := newServer(t, errorWithBody, errorWithBody, status(200))
+	var (
+		mu     sync.Mutex
+		reused []bool
+	)
+	trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
+		mu.Lock()
+		reused = append(reused, info.Reused)
+		mu.Unlock()
+	}}
+	ctx := httptrace.WithClientTrace(context.Background(), trace)
+	do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), post(t, ctx, srv.URL, "x"))
+
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []bool{false, true, true}, reused)
+}
+
+func TestAttemptContextLivesUntilBodyClosed(t *testing.T) {
+	var attemptCtx context.Context
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		attemptCtx = r.Context()
+		return okResponse(r, 200), nil
+	})
+	for _, opts := range [][]Option{nil, {WithAttemptTimeout(1e12)}} {
+		resp, err := NewTransport(base, opts...).RoundTrip(post(t, context.Background(), "http://x.invalid", "x"))
+		require.NoError(t, err)
+		assert.NoError(t, attemptCtx.Err(), "attempt context ended before the body was closed")
+		require.NoError(t, resp.Body.Close())
+		if len(opts) > 0 {
+			assert.ErrorIs(t, attemptCtx.Err(), context.Canceled, "attempt context not released on Close")
+		}
+	}
+}
+
+func TestCloseIdleConnectionsReachesBase(t *testing.T) {
+	base := &idleCloser{}
+	NewTransport(base).CloseIdleConnections()
+	assert.True(t, base.closed)
+	NewTransport(roundTripFunc(nil)).CloseIdleConnections() // no method: no panic
+}
+
+type idleCloser struct {
+	http.RoundTripper
+	closed bool
+}
+
+func (c *idleCloser) CloseIdleConnections() { c.closed = true }
+
+func TestNewClientUsesTransport(t *testing.T) {
+	srv := newServer(t, status(503), status(200))
+	client := NewClient(WithBackoff(noWait))
+	defer client.CloseIdleConnections()
+	require.IsType(t, &Transport{}, client.Transport)
+
+	resp, err := client.Post(srv.URL, "text/plain", strings.NewReader("x"))
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, 200, resp.StatusCode)
+	keys := srv.keys()
+	require.Len(t, keys, 2)
+	assert.Equal(t, keys[0], keys[1])
+}
