@@ -1,0 +1,221 @@
+package idemhttp
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestStatusRetries(t *testing.T) {
+	tests := []struct {
+		status     int
+		retryAfter string
+		retried    bool
+	}{
+		{408, "", true}, {425, "", true}, {429, "", true}, {500, "", true},
+		{502, "", true}, {503, "", true}, {504, "", true},
+		{429, "0", true}, {503, "0", true},
+		{409, "0", true}, // "still in progress"
+		{409, "", false}, // a real conflict
+		{400, "", false}, {401, "", false}, {403, "", false}, {404, "", false},
+		{410, "", false}, {422, "", false}, {501, "", false}, {505, "", false},
+		{400, "0", false}, {200, "", false}, {201, "", false}, {302, "", false},
+	}
+	for _, tt := range tests {
+		for _, method := range []string{"GET", "POST"} {
+			t.Run(fmt.Sprintf("%s %d retry-after=%q", method, tt.status, tt.retryAfter), func(t *testing.T) {
+				var headers []string
+				if tt.retryAfter != "" {
+					headers = []string{"Retry-After", tt.retryAfter}
+				}
+				srv := newServer(t, status(tt.status, headers...))
+				req, err := http.NewRequest(method, srv.URL, nil)
+				require.NoError(t, err)
+				if tt.status == 302 {
+					req.Header.Set("Location", "/elsewhere")
+				}
+
+				resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait), WithMaxAttempts(3)), req)
+
+				assert.Equal(t, tt.status, resp.StatusCode, "the last outcome is returned")
+				want := int32(1)
+				if tt.retried {
+					want = 3
+				}
+				assert.Equal(t, want, srv.hits.Load())
+			})
+		}
+	}
+}
+
+// A POST without a key (its method removed from the keyed set) must not be
+// sent twice unless the first attempt provably never left.
+func TestUnkeyedPostRetriedOnlyWhenNothingWasSent(t *testing.T) {
+	t.Run("retryable status is not retried", func(t *testing.T) {
+		srv := newServer(t, status(503))
+		req := post(t, context.Background(), srv.URL, "x")
+		resp := do(t, NewTransport(newBaseTransport(t), WithKeyedMethods(), WithBackoff(noWait)), req)
+		assert.Equal(t, 503, resp.StatusCode)
+		assert.Equal(t, int32(1), srv.hits.Load())
+	})
+	t.Run("connection lost after sending is not retried", func(t *testing.T) {
+		srv := newServer(t, hangUp, status(200))
+		req := post(t, context.Background(), srv.URL, "x")
+		_, err := NewTransport(newBaseTransport(t), WithKeyedMethods(), WithBackoff(noWait)).RoundTrip(req)
+		require.Error(t, err)
+		assert.Equal(t, int32(1), srv.hits.Load())
+	})
+	t.Run("keyed POST is retried after lost connection", func(t *testing.T) {
+		srv := newServer(t, hangUp, status(200))
+		resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), post(t, context.Background(), srv.URL, "x"))
+		assert.Equal(t, 200, resp.StatusCode)
+		assert.Equal(t, int32(2), srv.hits.Load())
+	})
+	t.Run("refused dial is retried", func(t *testing.T) {
+		addr := closedPort(t)
+		var attempts []Attempt
+		tr := NewTransport(newBaseTransport(t), WithKeyedMethods(), WithBackoff(noWait),
+			WithAttemptHook(func(a Attempt) { attempts = append(attempts, a) }))
+		_, err := tr.RoundTrip(post(t, context.Background(), "http://"+addr, "x"))
+		require.Error(t, err)
+		assert.ErrorIs(t, err, syscall.ECONNREFUSED)
+		assert.ErrorIs(t, err, ErrAttemptsExhausted)
+		assert.Len(t, attempts, DefaultMaxAttempts)
+	})
+}
+
+// closedPort returns a loopback address on which nothing listens.
+func closedPort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	return addr
+}
+
+func TestErrorRetries(t *testing.T) {
+	dialRefused := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+	readReset := &net.OpError{Op: "read", Net: "tcp", Err: os.NewSyscallError("read", syscall.ECONNRESET)}
+	tests := []struct {
+		name string
+		err  error
+		// attempts made for an idempotent GET and for an unkeyed POST
+		getAttempts, postAttempts int
+	}{
+		{"dial refused", dialRefused, 3, 3},
+		{"DNS timeout", &net.DNSError{Err: "timeout", Name: "x", IsTimeout: true}, 3, 3},
+		{"no such host", &net.DNSError{Err: "no such host", Name: "x", IsNotFound: true}, 1, 1},
+		{"connection reset", readReset, 3, 1},
+		{"broken pipe", syscall.EPIPE, 3, 1},
+		{"unexpected EOF", io.ErrUnexpectedEOF, 3, 1},
+		{"EOF before response", fmt.Errorf("wrapped: %w", io.EOF), 3, 1},
+		{"timeout", timeoutErr{}, 3, 1},
+		{"HTTP/2 GOAWAY", errors.New("http2: server sent GOAWAY and closed the connection; LastStreamID=1"), 3, 1},
+		{"HTTP/2 stream reset", errors.New("stream error: stream ID 3; INTERNAL_ERROR"), 3, 1},
+		{"unknown authority", &tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, 1, 1},
+		{"bad hostname", x509.HostnameError{Host: "x"}, 1, 1},
+		{"expired certificate", x509.CertificateInvalidError{Reason: x509.Expired}, 1, 1},
+		{"not TLS", tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake"}, 1, 1},
+		{"malformed request", errors.New(`unsupported protocol scheme "gopher"`), 1, 1},
+	}
+	for _, tt := range tests {
+		for _, method := range []string{"GET", "POST"} {
+			t.Run(method+" "+tt.name, func(t *testing.T) {
+				calls := 0
+				base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+					calls++
+					return nil, tt.err
+				})
+				req, err := http.NewRequest(method, "http://x.invalid", nil)
+				require.NoError(t, err)
+				tr := NewTransport(base, WithKeyedMethods(), WithBackoff(noWait), WithMaxAttempts(3))
+
+				resp, err := tr.RoundTrip(req)
+
+				assert.Nil(t, resp)
+				assert.ErrorIs(t, err, tt.err)
+				want := tt.getAttempts
+				if method == "POST" {
+					want = tt.postAttempts
+				}
+				assert.Equal(t, want, calls)
+				var re *RetryError
+				require.ErrorAs(t, err, &re)
+				assert.Equal(t, want, re.Attempts)
+				assert.Contains(t, err.Error(), fmt.Sprintf("%d attempt", want))
+			})
+		}
+	}
+}
+
+type timeoutErr struct{}
+
+func (timeoutErr) Error() string   { return "i/o timeout" }
+func (timeoutErr) Timeout() bool   { return true }
+func (timeoutErr) Temporary() bool { return true }
+
+func TestCallerCancellationIsNotRetried(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	calls := 0
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		calls++
+		cancel()
+		return nil, r.Context().Err()
+	})
+	req := post(t, ctx, "http://x.invalid", "x")
+	_, err := NewTransport(base, WithBackoff(noWait)).RoundTrip(req)
+	assert.ErrorIs(t, err, context.Canceled)
+	var re *RetryError
+	require.ErrorAs(t, err, &re)
+	assert.Equal(t, ReasonCanceled, re.Reason)
+	assert.Equal(t, 1, calls)
+}
+
+func TestAttemptTimeoutIsRetried(t *testing.T) {
+	calls := 0
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		calls++
+		if calls == 1 {
+			<-r.Context().Done() // the first attempt hangs until its timeout
+			return nil, r.Context().Err()
+		}
+		return okResponse(r, 200), nil
+	})
+	req := post(t, context.Background(), "http://x.invalid", "x")
+	resp, err := NewTransport(base, WithBackoff(noWait), WithAttemptTimeout(1)).RoundTrip(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, 2, calls)
+}
+
+func TestFinalErrorNamesAttempts(t *testing.T) {
+	srv := newServer(t, hangUp)
+	_, err := NewTransport(newBaseTransport(t), WithBackoff(noWait)).RoundTrip(post(t, context.Background(), srv.URL, "x"))
+	require.Error(t, err)
+	assert.ErrorIs(t, err, ErrAttemptsExhausted)
+	assert.Contains(t, err.Error(), "idemhttp: 4 attempts, attempts exhausted: ")
+	var re *RetryError
+	require.ErrorAs(t, err, &re)
+	assert.Equal(t, 4, re.Attempts)
+	assert.Equal(t, ReasonAttemptsExhausted, re.Reason)
+}
+
+func TestRetryErrorMessages(t *testing.T) {
+	assert.Equal(t, "idemhttp: 1 attempt, not retryable: x", (&RetryError{Attempts: 1, Reason: ReasonNotRetryable, Err: errors.New("x")}).Error())
+	assert.Equal(t, "idemhttp: 0 attempts, circuit open", (&RetryError{Reason: ReasonCircuitOpen}).Error())
+	assert.ErrorIs(t, &RetryError{Reason: ReasonCircuitOpen}, ErrCircuitOpen)
+	assert.ErrorIs(t, &RetryError{Reason: ReasonBudgetExhausted, Err: io.EOF}, ErrBudgetExhausted)
+	assert.NotErrorIs(t, &RetryError{Reason: ReasonNotRetryable, Err: io.EOF}, ErrAttemptsExhausted)
+}
