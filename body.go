@@ -37,18 +37,18 @@ type requestBody struct {
 // GetBody is rewound with it; a body without is buffered up to limit bytes,
 // and one larger than that is streamed once and marked not replayable.
 // On error the caller's body has been closed.
-func newRequestBody(req *http.Request, limit int64) (*requestBody, error) {
+func newRequestBody(req *http.Request, limit int64) (requestBody, error) {
 	if req.Body == nil || req.Body == http.NoBody {
-		return &requestBody{first: req.Body, replayable: true}, nil
+		return requestBody{first: req.Body, replayable: true}, nil
 	}
 	if req.GetBody != nil {
-		return &requestBody{unsent: req.Body, first: req.Body, getBody: req.GetBody, replayable: true}, nil
+		return requestBody{unsent: req.Body, first: req.Body, getBody: req.GetBody, replayable: true}, nil
 	}
 
 	buf, err := io.ReadAll(io.LimitReader(req.Body, limit+1))
 	if err != nil {
 		req.Body.Close()
-		return nil, fmt.Errorf("idemhttp: reading request body: %w", err)
+		return requestBody{}, fmt.Errorf("idemhttp: reading request body: %w", err)
 	}
 	if int64(len(buf)) > limit {
 		// Too large to keep: send what was read followed by the rest, once.
@@ -56,14 +56,14 @@ func newRequestBody(req *http.Request, limit int64) (*requestBody, error) {
 			io.Reader
 			io.Closer
 		}{io.MultiReader(bytes.NewReader(buf), req.Body), req.Body}
-		return &requestBody{unsent: req.Body, first: stream}, nil
+		return requestBody{unsent: req.Body, first: stream}, nil
 	}
 	req.Body.Close()
 	getBody := func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(buf)), nil
 	}
 	first, _ := getBody()
-	return &requestBody{getBody: getBody, first: first, replayable: true}, nil
+	return requestBody{getBody: getBody, first: first, replayable: true}, nil
 }
 
 // forAttempt returns the body for attempt n (from 1) and the GetBody to put

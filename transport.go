@@ -53,9 +53,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &call{t: t, req: req, ctx: req.Context(), body: body}
+	c := call{t: t, req: req, ctx: req.Context(), body: body}
 	resp, err := c.run()
-	body.close()
+	c.body.close()
 	return resp, err
 }
 
@@ -68,11 +68,11 @@ type call struct {
 	t    *Transport
 	req  *http.Request
 	ctx  context.Context
-	body *requestBody
+	body requestBody
 
-	key       string      // the idempotency key, or "" if none
-	header    http.Header // the caller's header with the key added
-	operation string      // from WithOperation, or ""
+	key       string   // the idempotency key, or "" if none
+	keyValue  []string // the key header's value to add, or nil to add none
+	operation string   // from WithOperation, or ""
 	pending   bool        // key is pending in the KeyStore under operation
 	resend    bool        // the request may be sent again after it reached the server
 }
@@ -112,7 +112,6 @@ func (c *call) run() (*http.Response, error) {
 // pending key, or a new one.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
-	c.header = c.req.Header
 	c.key = c.req.Header.Get(cfg.keyHeader)
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
 		key, err := cfg.newKey()
@@ -130,11 +129,7 @@ func (c *call) assignKey() error {
 		if cfg.structuredKey {
 			value = structuredString(key)
 		}
-		c.header = c.req.Header.Clone()
-		if c.header == nil {
-			c.header = make(http.Header, 1)
-		}
-		c.header[cfg.keyHeader] = []string{value}
+		c.keyValue = []string{value}
 	}
 	c.resend = idempotentMethod(c.req.Method) || c.key != ""
 	return nil
@@ -162,7 +157,7 @@ func (c *call) attempt(n int) outcome {
 		return o
 	}
 	r := c.req.WithContext(o.ctx)
-	r.Header = c.header.Clone()
+	r.Header = c.attemptHeader()
 	r.Body, r.GetBody = body, getBody
 
 	start := time.Now()
@@ -177,6 +172,33 @@ func (c *call) attempt(n int) outcome {
 		o.err = errNilResponse
 	}
 	return o
+}
+
+// attemptHeader returns a copy of the caller's header with the key added.
+// Every attempt gets its own, so nothing a base transport does to it can
+// reach the caller or a later attempt. Like http.Header.Clone, it copies all
+// values into one backing array; unlike it, it leaves room for the key.
+func (c *call) attemptHeader() http.Header {
+	src := c.req.Header
+	n := 0
+	for _, vv := range src {
+		n += len(vv)
+	}
+	values := make([]string, n)
+	h := make(http.Header, len(src)+1)
+	for k, vv := range src {
+		if vv == nil {
+			h[k] = nil
+			continue
+		}
+		m := copy(values, vv)
+		h[k] = values[:m:m]
+		values = values[m:]
+	}
+	if c.keyValue != nil {
+		h[c.t.cfg.keyHeader] = c.keyValue
+	}
+	return h
 }
 
 // decide says whether attempt n is retried, after what wait, and why.
