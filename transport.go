@@ -73,8 +73,8 @@ type call struct {
 	key       string   // the idempotency key, or "" if none
 	keyValue  []string // the key header's value to add, or nil to add none
 	operation string   // from WithOperation, or ""
-	pending   bool        // key is pending in the KeyStore under operation
-	resend    bool        // the request may be sent again after it reached the server
+	pending   bool     // key is pending in the KeyStore under operation
+	resend    bool     // the request may be sent again after it reached the server
 }
 
 func (c *call) run() (*http.Response, error) {

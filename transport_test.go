@@ -327,8 +327,8 @@ func TestCallerBodyClosedExactlyOnce(t *testing.T) {
 type failingStore struct{ err error }
 
 func (s *failingStore) Acquire(context.Context, string, string) (string, error) { return "", s.err }
-func (s *failingStore) Release(context.Context, string, string) error          { return s.err }
-func (s *failingStore) Pending(context.Context) ([]PendingOperation, error)    { return nil, s.err }
+func (s *failingStore) Release(context.Context, string, string) error           { return s.err }
+func (s *failingStore) Pending(context.Context) ([]PendingOperation, error)     { return nil, s.err }
 
 func TestNeverReturnsResponseAndError(t *testing.T) {
 	boom := errors.New("broken base")

@@ -1,0 +1,38 @@
+package main
+
+import (
+	"bytes"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestQuickstartReportsEveryOperation(t *testing.T) {
+	var out bytes.Buffer
+	require.NoError(t, run(&out, 12, 4, 7))
+
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.GreaterOrEqual(t, len(lines), 14)
+	assert.Contains(t, lines[0], "OPERATION")
+	keys := map[string]bool{}
+	for _, line := range lines[1:13] {
+		fields := strings.Fields(line)
+		require.GreaterOrEqual(t, len(fields), 4, line)
+		assert.Regexp(t, `^payment-\d\d$`, fields[0])
+		assert.Len(t, fields[1], 36, "a UUID key")
+		keys[fields[1]] = true
+	}
+	assert.Len(t, keys, 12, "one key per operation")
+
+	summary := regexp.MustCompile(`operations: (\d+)  attempts: (\d+)  retries: (\d+)`).FindStringSubmatch(out.String())
+	require.NotNil(t, summary, out.String())
+	ops, _ := strconv.Atoi(summary[1])
+	attempts, _ := strconv.Atoi(summary[2])
+	retries, _ := strconv.Atoi(summary[3])
+	assert.Equal(t, 12, ops)
+	assert.Equal(t, attempts-ops, retries)
+}
