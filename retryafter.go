@@ -21,10 +21,10 @@ const maxRetryAfterSeconds = 1 << 31
 // It returns how long to wait from now, and ok = false when the value is
 // malformed, in which case the header must be ignored. A date in the past
 // yields a zero wait with ok = true; delta-seconds beyond 2^31 are clamped
-// to 2^31 seconds. Leading and trailing spaces are allowed;
-// signs, fractions and anything after the value are not.
+// to 2^31 seconds. Leading and trailing spaces and tabs are allowed; signs,
+// fractions, other white space and anything after the value are not.
 func ParseRetryAfter(value string, now time.Time) (wait time.Duration, ok bool) {
-	value = strings.TrimSpace(value)
+	value = strings.Trim(value, " \t") // optional whitespace is SP and HTAB only
 	if value == "" {
 		return 0, false
 	}

@@ -36,6 +36,9 @@ func TestParseRetryAfter(t *testing.T) {
 		{"garbage", "soon", 0, false},
 		{"date without zone", "Sun, 22 Nov 2026 08:50:37", 0, false},
 		{"non-ASCII digits", "١٢", 0, false},
+		{"tabs", "\t5\t", 5 * time.Second, true},
+		{"no-break space", "\u00a05", 0, false},
+		{"unicode space", "5\u2000", 0, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
