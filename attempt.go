@@ -62,8 +62,8 @@ const (
 	ReasonBudgetExhausted Reason = "budget exhausted"
 	// ReasonCircuitOpen: the host's circuit breaker refused the attempt.
 	ReasonCircuitOpen Reason = "circuit open"
-	// ReasonKeyStore: the key store failed to provide the operation's key,
-	// so nothing was sent.
+	// ReasonKeyStore: no key could be made or recorded for the request (the
+	// key generator or the KeyStore failed), so nothing was sent.
 	ReasonKeyStore Reason = "key store failed"
 )
 

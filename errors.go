@@ -19,9 +19,9 @@ var (
 	ErrBudgetExhausted = errors.New("idemhttp: retry budget exhausted")
 	// ErrCircuitOpen: the host's circuit breaker is open; nothing was sent.
 	ErrCircuitOpen = errors.New("idemhttp: circuit breaker is open")
-	// ErrKeyStore: the key store could not provide the operation's key;
-	// nothing was sent.
-	ErrKeyStore = errors.New("idemhttp: key store failed")
+	// ErrKeyStore: no idempotency key could be made or recorded for the
+	// request; nothing was sent.
+	ErrKeyStore = errors.New("idemhttp: no idempotency key")
 )
 
 // RetryError is the error a Transport returns when a request ends without a
