@@ -16,6 +16,8 @@ type Attempt struct {
 	// StatusCode is the response status, or 0 if the attempt failed with Err.
 	StatusCode int
 	// Err is the error the attempt failed with, or nil if it got a response.
+	// An attempt the host's circuit breaker refused was not sent; its Err
+	// wraps ErrCircuitOpen and its Reason is ReasonCircuitOpen.
 	Err error
 	// Elapsed is how long the attempt took, up to the response headers.
 	Elapsed time.Duration
@@ -25,6 +27,11 @@ type Attempt struct {
 	// Reason says why another attempt follows (ReasonBackoff,
 	// ReasonRetryAfter) or why none does (every other Reason).
 	Reason Reason
+	// BreakerChanges lists the changes of the host's circuit breaker state
+	// seen while making this attempt, oldest first, such as the breaker
+	// opening after it failed. Each change is reported once, to the attempt
+	// of whichever request caused or first saw it.
+	BreakerChanges []BreakerChange
 }
 
 // Retrying reports whether another attempt follows this one.

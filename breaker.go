@@ -257,3 +257,16 @@ func (b *breakers) state(host string) BreakerState {
 	}
 	return breakerState(hb.cb.State())
 }
+
+// WithBreaker sets the settings of the Transport's per-host circuit
+// breakers; zero fields take their defaults, see [BreakerSettings]. Breakers
+// are on by default, with the zero BreakerSettings.
+func WithBreaker(s BreakerSettings) Option {
+	return func(c *config) { c.breaker = &s }
+}
+
+// WithoutBreaker turns the Transport's circuit breakers off: every attempt
+// is sent, whatever happened to the ones before.
+func WithoutBreaker() Option {
+	return func(c *config) { c.breaker = nil }
+}

@@ -13,9 +13,9 @@ import (
 
 const bHost = "https://a.example:443"
 
-// attempt asks b for an attempt to bHost and reports outcome o if allowed.
+// tryBreaker asks b for an attempt to bHost and reports outcome o if allowed.
 // It returns whether the attempt was allowed and every change seen.
-func attempt(t *testing.T, b *breakers, o breakerOutcome) (bool, []BreakerChange) {
+func tryBreaker(t *testing.T, b *breakers, o breakerOutcome) (bool, []BreakerChange) {
 	t.Helper()
 	done, changes, err := b.allow(bHost, time.Now())
 	if err != nil {
@@ -26,7 +26,7 @@ func attempt(t *testing.T, b *breakers, o breakerOutcome) (bool, []BreakerChange
 	return true, append(changes, done(o)...)
 }
 
-func change(from, to BreakerState) BreakerChange {
+func breakerChange(from, to BreakerState) BreakerChange {
 	return BreakerChange{Host: bHost, From: from, To: to}
 }
 
@@ -55,7 +55,7 @@ func runSteps(t *testing.T, s BreakerSettings, steps []step) {
 		b := newBreakers(s, 16, time.Hour)
 		for i, st := range steps {
 			time.Sleep(st.sleep)
-			allowed, changes := attempt(t, b, st.outcome)
+			allowed, changes := tryBreaker(t, b, st.outcome)
 			assert.Equal(t, st.allowed, allowed, "step %d allowed", i)
 			assert.Equal(t, st.changes, changes, "step %d changes", i)
 			assert.Equal(t, st.state, b.state(bHost), "step %d state", i)
@@ -74,7 +74,7 @@ func TestBreakerTransitions(t *testing.T) {
 	small := BreakerSettings{ConsecutiveFailures: 2, HalfOpenProbes: 2, OpenTimeout: time.Second}
 	tripped := []step{
 		{outcome: fail, allowed: true, state: closed},
-		{outcome: fail, allowed: true, state: open, changes: []BreakerChange{change(closed, open)}},
+		{outcome: fail, allowed: true, state: open, changes: []BreakerChange{breakerChange(closed, open)}},
 	}
 	tests := []struct {
 		name     string
@@ -87,14 +87,14 @@ func TestBreakerTransitions(t *testing.T) {
 			step{sleep: time.Second, outcome: ok, allowed: false, state: open},
 			// ...a moment later it lets probes through.
 			step{sleep: time.Nanosecond, outcome: ok, allowed: true, state: halfOpen,
-				changes: []BreakerChange{change(open, halfOpen)}},
-			step{outcome: ok, allowed: true, state: closed, changes: []BreakerChange{change(halfOpen, closed)}},
+				changes: []BreakerChange{breakerChange(open, halfOpen)}},
+			step{outcome: ok, allowed: true, state: closed, changes: []BreakerChange{breakerChange(halfOpen, closed)}},
 			step{outcome: fail, allowed: true, state: closed},
 		)},
 		{"half-open probe fails: open again", small, append(tripped[:2:2],
 			step{sleep: 2 * time.Second, outcome: ok, allowed: true, state: halfOpen,
-				changes: []BreakerChange{change(open, halfOpen)}},
-			step{outcome: fail, allowed: true, state: open, changes: []BreakerChange{change(halfOpen, open)}},
+				changes: []BreakerChange{breakerChange(open, halfOpen)}},
+			step{outcome: fail, allowed: true, state: open, changes: []BreakerChange{breakerChange(halfOpen, open)}},
 			step{sleep: 500 * time.Millisecond, outcome: ok, allowed: false, state: open},
 		)},
 		{"successes in between reset the run", small, []step{
@@ -105,23 +105,23 @@ func TestBreakerTransitions(t *testing.T) {
 		{"ignored outcomes count for nothing", small, []step{
 			{outcome: fail, allowed: true}, {outcome: ignored, allowed: true},
 			{outcome: ignored, allowed: true},
-			{outcome: fail, allowed: true, state: open, changes: []BreakerChange{change(closed, open)}},
+			{outcome: fail, allowed: true, state: open, changes: []BreakerChange{breakerChange(closed, open)}},
 		}},
 		{"failures forgotten after the interval",
 			BreakerSettings{ConsecutiveFailures: 2, Interval: 10 * time.Second}, []step{
 				{outcome: fail, allowed: true},
 				{sleep: 11 * time.Second, outcome: fail, allowed: true},
-				{outcome: fail, allowed: true, state: open, changes: []BreakerChange{change(closed, open)}},
+				{outcome: fail, allowed: true, state: open, changes: []BreakerChange{breakerChange(closed, open)}},
 			}},
 		{"defaults: five failures in a row", BreakerSettings{}, []step{
 			{outcome: fail, allowed: true}, {outcome: fail, allowed: true},
 			{outcome: fail, allowed: true}, {outcome: fail, allowed: true},
-			{outcome: fail, allowed: true, state: open, changes: []BreakerChange{change(closed, open)}},
+			{outcome: fail, allowed: true, state: open, changes: []BreakerChange{breakerChange(closed, open)}},
 			{sleep: 5 * time.Second, outcome: ok, allowed: false, state: open},
 			{sleep: time.Nanosecond, outcome: ok, allowed: true, state: halfOpen,
-				changes: []BreakerChange{change(open, halfOpen)}},
+				changes: []BreakerChange{breakerChange(open, halfOpen)}},
 			{outcome: ok, allowed: true, state: halfOpen},
-			{outcome: ok, allowed: true, state: closed, changes: []BreakerChange{change(halfOpen, closed)}},
+			{outcome: ok, allowed: true, state: closed, changes: []BreakerChange{breakerChange(halfOpen, closed)}},
 		}},
 	}
 	for _, tt := range tests {
@@ -141,7 +141,7 @@ func TestBreakerTripsOnFailureRatio(t *testing.T) {
 		steps = append(steps, st)
 	}
 	steps[19].state = BreakerOpen
-	steps[19].changes = []BreakerChange{change(BreakerClosed, BreakerOpen)}
+	steps[19].changes = []BreakerChange{breakerChange(BreakerClosed, BreakerOpen)}
 	runSteps(t, BreakerSettings{}, steps)
 
 	// A ratio above one never trips.
@@ -154,7 +154,7 @@ func TestBreakerTripsOnFailureRatio(t *testing.T) {
 func TestHalfOpenLimitsProbesInFlight(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		b := newBreakers(BreakerSettings{ConsecutiveFailures: 1, HalfOpenProbes: 2}, 16, time.Hour)
-		attempt(t, b, outcomeFailure)
+		tryBreaker(t, b, outcomeFailure)
 		time.Sleep(DefaultBreakerOpenTimeout + time.Nanosecond)
 
 		d1, _, err := b.allow(bHost, time.Now())
@@ -167,7 +167,7 @@ func TestHalfOpenLimitsProbesInFlight(t *testing.T) {
 
 		assert.Empty(t, d1(outcomeSuccess))
 		assert.Empty(t, d1(outcomeFailure), "done reports only once")
-		assert.Equal(t, []BreakerChange{change(BreakerHalfOpen, BreakerClosed)}, d2(outcomeSuccess))
+		assert.Equal(t, []BreakerChange{breakerChange(BreakerHalfOpen, BreakerClosed)}, d2(outcomeSuccess))
 	})
 }
 
@@ -221,7 +221,7 @@ func TestBreakerConcurrent(t *testing.T) {
 			}()
 		}
 		wg.Wait()
-		assert.Equal(t, []BreakerChange{change(BreakerClosed, BreakerOpen)}, all)
+		assert.Equal(t, []BreakerChange{breakerChange(BreakerClosed, BreakerOpen)}, all)
 		assert.GreaterOrEqual(t, allowed.Load(), int64(5))
 		assert.LessOrEqual(t, allowed.Load(), int64(5+31), "at most the tripping failures and those already in flight")
 		assert.Equal(t, BreakerOpen, b.state(bHost))

@@ -244,3 +244,11 @@ func (w *budgetWindow) sums(slot int64) (firsts, retries int64) {
 	}
 	return firsts, retries
 }
+
+// WithBudget sets the retry budget the Transport consults before every
+// retry. By default each Transport has its own [Budget] with the default
+// settings; pass one Budget to several Transports to share it, or nil to
+// retry without a budget.
+func WithBudget(b *Budget) Option {
+	return func(c *config) { c.budget, c.budgetSet = b, true }
+}

@@ -9,9 +9,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// t0 starts a whole second, so it starts a step of every window of whole
+// budgetT0 starts a whole second, so it starts a step of every window of whole
 // seconds too.
-var t0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+var budgetT0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
 
 // retriesAllowed asks b for retries to host at now until it refuses one,
 // and returns how many it allowed.
@@ -51,8 +51,8 @@ func TestBudgetAllowsExactlyRatioPlusFloor(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			b := NewBudget(tt.opts...)
-			recordFirsts(b, "https://a.example:443", tt.firsts, t0)
-			assert.Equal(t, tt.want, retriesAllowed(t, b, "https://a.example:443", t0))
+			recordFirsts(b, "https://a.example:443", tt.firsts, budgetT0)
+			assert.Equal(t, tt.want, retriesAllowed(t, b, "https://a.example:443", budgetT0))
 			st := b.Stats()
 			assert.Equal(t, BudgetStats{FirstAttempts: uint64(tt.firsts), Retries: uint64(tt.want), Refused: 1}, st)
 		})
@@ -61,36 +61,36 @@ func TestBudgetAllowsExactlyRatioPlusFloor(t *testing.T) {
 
 func TestZeroBudgetUsesDefaults(t *testing.T) {
 	var b Budget
-	recordFirsts(&b, "h", 50, t0)
-	assert.Equal(t, 10+30, retriesAllowed(t, &b, "h", t0))
+	recordFirsts(&b, "h", 50, budgetT0)
+	assert.Equal(t, 10+30, retriesAllowed(t, &b, "h", budgetT0))
 }
 
 func TestNilBudgetAllowsEverything(t *testing.T) {
 	var b *Budget
-	b.recordFirst("h", t0)
+	b.recordFirst("h", budgetT0)
 	for range 100 {
-		require.True(t, b.allowRetry("h", t0))
+		require.True(t, b.allowRetry("h", budgetT0))
 	}
 }
 
 func TestBudgetWindowSlides(t *testing.T) {
 	const host = "http://a.example:80"
 	b := NewBudget(BudgetMinRetriesPerSecond(0)) // 20% of a 10 s window, in 1 s steps
-	recordFirsts(b, host, 100, t0)
-	require.Equal(t, 20, retriesAllowed(t, b, host, t0.Add(500*time.Millisecond)))
+	recordFirsts(b, host, 100, budgetT0)
+	require.Equal(t, 20, retriesAllowed(t, b, host, budgetT0.Add(500*time.Millisecond)))
 
 	// Five seconds on, 50 more first attempts: 150 in the window, 20 spent.
-	recordFirsts(b, host, 50, t0.Add(5*time.Second))
-	assert.Equal(t, 10, retriesAllowed(t, b, host, t0.Add(5*time.Second)))
+	recordFirsts(b, host, 50, budgetT0.Add(5*time.Second))
+	assert.Equal(t, 10, retriesAllowed(t, b, host, budgetT0.Add(5*time.Second)))
 
 	// The first step is counted until its tenth step begins...
-	assert.Equal(t, 0, retriesAllowed(t, b, host, t0.Add(10*time.Second-time.Nanosecond)))
+	assert.Equal(t, 0, retriesAllowed(t, b, host, budgetT0.Add(10*time.Second-time.Nanosecond)))
 	// ...then its 100 first attempts and 20 retries are gone: 50 first
 	// attempts and 10 retries are left, which allow nothing more.
-	assert.Equal(t, 0, retriesAllowed(t, b, host, t0.Add(10*time.Second)))
+	assert.Equal(t, 0, retriesAllowed(t, b, host, budgetT0.Add(10*time.Second)))
 	// When the second batch expires too, nothing is left to retry against.
-	recordFirsts(b, host, 5, t0.Add(15*time.Second))
-	assert.Equal(t, 1, retriesAllowed(t, b, host, t0.Add(15*time.Second)))
+	recordFirsts(b, host, 5, budgetT0.Add(15*time.Second))
+	assert.Equal(t, 1, retriesAllowed(t, b, host, budgetT0.Add(15*time.Second)))
 }
 
 func TestBudgetHostsAreSeparateUnlessShared(t *testing.T) {
@@ -105,11 +105,11 @@ func TestBudgetHostsAreSeparateUnlessShared(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			b := NewBudget(append(tt.opts, BudgetMinRetriesPerSecond(0))...)
-			recordFirsts(b, "https://a.example:443", 100, t0)
+			recordFirsts(b, "https://a.example:443", 100, budgetT0)
 			for range 5 {
-				require.True(t, b.allowRetry("https://a.example:443", t0))
+				require.True(t, b.allowRetry("https://a.example:443", budgetT0))
 			}
-			assert.Equal(t, tt.wantOther, retriesAllowed(t, b, "https://b.example:443", t0))
+			assert.Equal(t, tt.wantOther, retriesAllowed(t, b, "https://b.example:443", budgetT0))
 		})
 	}
 }
@@ -117,11 +117,11 @@ func TestBudgetHostsAreSeparateUnlessShared(t *testing.T) {
 func TestBudgetForgetsIdleHosts(t *testing.T) {
 	b := NewBudget(BudgetMaxHosts(8))
 	for i := range 1000 {
-		b.recordFirst(string(rune('A'+i%64))+".example", t0.Add(time.Duration(i)*time.Millisecond))
+		b.recordFirst(string(rune('A'+i%64))+".example", budgetT0.Add(time.Duration(i)*time.Millisecond))
 	}
-	assert.LessOrEqual(t, b.hosts.Len(t0.Add(time.Second)), 8)
+	assert.LessOrEqual(t, b.hosts.Len(budgetT0.Add(time.Second)), 8)
 	// Unused for a whole window, every host is forgotten.
-	assert.Equal(t, 0, b.hosts.Len(t0.Add(time.Second+DefaultBudgetWindow+time.Nanosecond)))
+	assert.Equal(t, 0, b.hosts.Len(budgetT0.Add(time.Second+DefaultBudgetWindow+time.Nanosecond)))
 }
 
 // Many goroutines racing for retries get exactly what the budget allows.
@@ -133,7 +133,7 @@ func TestBudgetConcurrentRetriesGetExactAllowance(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			recordFirsts(b, host, 20, t0)
+			recordFirsts(b, host, 20, budgetT0)
 		}()
 	}
 	wg.Wait()
@@ -145,7 +145,7 @@ func TestBudgetConcurrentRetriesGetExactAllowance(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for range 20 {
-				if b.allowRetry(host, t0.Add(time.Second)) {
+				if b.allowRetry(host, budgetT0.Add(time.Second)) {
 					mu.Lock()
 					allowed++
 					mu.Unlock()

@@ -4,6 +4,8 @@ import (
 	"log/slog"
 	"net/http"
 	"time"
+
+	"golang.org/x/time/rate"
 )
 
 // Defaults used when the matching option is not given.
@@ -29,6 +31,14 @@ type config struct {
 	attemptTimeout time.Duration
 	maxRetryAfter  time.Duration
 	bodyLimit      int64
+
+	budget    *Budget          // consulted before retries; nil: none
+	budgetSet bool             // WithBudget was given
+	breaker   *BreakerSettings // nil: no circuit breakers
+	rateLimit rate.Limit       // zero or less: no rate limit
+	rateBurst int
+	maxHosts  int           // hosts with breakers and limiters
+	idleHost  time.Duration // after which a host is forgotten
 }
 
 func newConfig(opts []Option) config {
@@ -40,6 +50,9 @@ func newConfig(opts []Option) config {
 		newKey:        newUUIDv7,
 		maxRetryAfter: DefaultMaxRetryAfter,
 		bodyLimit:     DefaultBodyBufferLimit,
+		breaker:       &BreakerSettings{},
+		maxHosts:      DefaultMaxHosts,
+		idleHost:      DefaultIdleHostTimeout,
 	}
 	for _, opt := range opts {
 		if opt != nil {
@@ -48,6 +61,9 @@ func newConfig(opts []Option) config {
 	}
 	if c.keyStore == nil {
 		c.keyStore = NewMemoryKeyStore()
+	}
+	if !c.budgetSet {
+		c.budget = NewBudget()
 	}
 	return c
 }

@@ -118,3 +118,20 @@ func (l *limiters) current(host string) rate.Limit {
 	defer hl.mu.Unlock()
 	return hl.current
 }
+
+// WithRateLimit limits the attempts sent to each host to r per second, with
+// bursts of up to burst (at least 1). Every attempt, retries included, waits
+// for the host's limiter first; the wait ends early if the request's
+// context ends, and is not started at all if it would outlast the context's
+// deadline (the error then wraps [ErrWaitPastDeadline]).
+//
+// The limit is adaptive. A 429 response halves the host's rate, down to a
+// hundredth of r at the lowest, and each 2xx or 3xx response adds a
+// hundredth of r back, up to r: the client slows down as soon as the server
+// says it is overloaded and finds its way back up while the server copes.
+//
+// Rate limiting is off by default. A rate of zero or less turns it off;
+// [rate.Inf] allows everything.
+func WithRateLimit(r rate.Limit, burst int) Option {
+	return func(c *config) { c.rateLimit, c.rateBurst = r, burst }
+}

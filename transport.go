@@ -24,8 +24,10 @@ import (
 // A Transport is safe for concurrent use by multiple goroutines. Configure
 // it with options when it is made; it has no setters.
 type Transport struct {
-	base http.RoundTripper
-	cfg  config
+	base     http.RoundTripper
+	cfg      config
+	breakers *breakers // nil: no circuit breakers
+	limiters *limiters // nil: no rate limit
 }
 
 // NewTransport returns a Transport that sends attempts through base, or
@@ -34,7 +36,14 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 	if base == nil {
 		base = http.DefaultTransport
 	}
-	return &Transport{base: base, cfg: newConfig(opts)}
+	t := &Transport{base: base, cfg: newConfig(opts)}
+	if s := t.cfg.breaker; s != nil {
+		t.breakers = newBreakers(*s, t.cfg.maxHosts, t.cfg.idleHost)
+	}
+	if t.cfg.rateLimit > 0 {
+		t.limiters = newLimiters(t.cfg.rateLimit, t.cfg.rateBurst, t.cfg.maxHosts, t.cfg.idleHost)
+	}
+	return t
 }
 
 // CloseIdleConnections closes the idle connections of the base transport,
@@ -53,7 +62,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := call{t: t, req: req, ctx: req.Context(), body: body}
+	c := call{t: t, req: req, ctx: req.Context(), body: body, host: hostKey(req.URL)}
 	resp, err := c.run()
 	c.body.close()
 	return resp, err
@@ -75,6 +84,10 @@ type call struct {
 	operation string   // from WithOperation, or ""
 	pending   bool     // key is pending in the KeyStore under operation
 	resend    bool     // the request may be sent again after it reached the server
+
+	host        string                               // scheme://host:port, for per-host state
+	breakerDone func(breakerOutcome) []BreakerChange // reports the admitted attempt to the breaker
+	changes     []BreakerChange                      // breaker changes not yet reported
 }
 
 func (c *call) run() (*http.Response, error) {
@@ -82,8 +95,17 @@ func (c *call) run() (*http.Response, error) {
 		return nil, c.giveUp(0, ReasonKeyStore, err)
 	}
 	for n := 1; ; n++ {
+		if reason, err := c.admit(n); err != nil {
+			return nil, c.giveUp(n-1, reason, err)
+		}
 		o := c.attempt(n)
+		c.settle(o)
 		reason, wait := c.decide(n, o)
+		if reason == ReasonBackoff || reason == ReasonRetryAfter {
+			if veto := c.vetoRetry(); veto != "" {
+				reason, wait = veto, 0
+			}
+		}
 		c.report(n, o, reason, wait)
 
 		if reason == ReasonBackoff || reason == ReasonRetryAfter {
@@ -133,6 +155,69 @@ func (c *call) assignKey() error {
 	}
 	c.resend = idempotentMethod(c.req.Method) || c.key != ""
 	return nil
+}
+
+// admit readies attempt n: the host's circuit breaker must let it through
+// and its rate limiter must have room for it. When either refuses, admit
+// returns why and an error; a breaker's refusal is reported as attempt n,
+// though nothing was sent.
+func (c *call) admit(n int) (Reason, error) {
+	if b := c.t.breakers; b != nil {
+		done, changes, err := b.allow(c.host, time.Now())
+		c.changes = append(c.changes, changes...)
+		if err != nil {
+			c.report(n, outcome{err: err}, ReasonCircuitOpen, 0)
+			return ReasonCircuitOpen, err
+		}
+		c.breakerDone = done
+	}
+	if l := c.t.limiters; l != nil {
+		if err := l.wait(c.ctx, c.host); err != nil {
+			c.settle(outcome{unsent: true})
+			if errors.Is(err, ErrWaitPastDeadline) {
+				return ReasonWaitPastDeadline, err
+			}
+			return ReasonCanceled, err
+		}
+	}
+	if n == 1 {
+		c.t.cfg.budget.recordFirst(c.host, time.Now())
+	}
+	return "", nil
+}
+
+// settle tells the host's breaker and rate limiter how an attempt went.
+// Network errors and 5xx responses are breaker failures; other responses,
+// 4xx included, are successes; an attempt ended by the caller's own
+// context, or never sent, counts as neither.
+func (c *call) settle(o outcome) {
+	if c.breakerDone != nil {
+		result := outcomeSuccess
+		switch {
+		case o.unsent || (o.err != nil && c.ctx.Err() != nil):
+			result = outcomeIgnored
+		case o.err != nil || o.resp.StatusCode >= 500:
+			result = outcomeFailure
+		}
+		c.changes = append(c.changes, c.breakerDone(result)...)
+		c.breakerDone = nil
+	}
+	if c.t.limiters != nil && o.resp != nil {
+		c.t.limiters.observe(c.host, o.resp.StatusCode)
+	}
+}
+
+// vetoRetry returns why a retry that decide chose must not be made, or ""
+// if it may: the host's breaker is open (the retry would only be refused
+// after the wait), or the retry budget refuses it.
+func (c *call) vetoRetry() Reason {
+	if c.t.breakers != nil && c.t.breakers.state(c.host) == BreakerOpen {
+		return ReasonCircuitOpen
+	}
+	if !c.t.cfg.budget.allowRetry(c.host, time.Now()) {
+		return ReasonBudgetExhausted
+	}
+	return ""
 }
 
 // outcome is what one attempt produced.
@@ -252,6 +337,8 @@ func (c *call) decide(n int, o outcome) (Reason, time.Duration) {
 // report tells the hook and the logger about attempt n.
 func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 	cfg := &c.t.cfg
+	changes := c.changes
+	c.changes = nil
 	if cfg.hook == nil && cfg.logger == nil {
 		return
 	}
@@ -265,6 +352,8 @@ func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 		Elapsed:   o.elapsed,
 		Wait:      wait,
 		Reason:    reason,
+
+		BreakerChanges: changes,
 	}
 	if o.resp != nil {
 		a.StatusCode = o.resp.StatusCode
@@ -273,7 +362,22 @@ func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 		cfg.hook(a)
 	}
 	if cfg.logger != nil {
+		c.logBreaker(changes)
 		c.log(a)
+	}
+}
+
+// logBreaker logs breaker state changes: opening at Warn, others at Info.
+func (c *call) logBreaker(changes []BreakerChange) {
+	for _, ch := range changes {
+		level := slog.LevelInfo
+		if ch.To == BreakerOpen {
+			level = slog.LevelWarn
+		}
+		c.t.cfg.logger.LogAttrs(c.ctx, level, "idemhttp: circuit breaker "+ch.To.String(),
+			slog.String("host", ch.Host),
+			slog.String("from", ch.From.String()),
+			slog.String("to", ch.To.String()))
 	}
 }
 
