@@ -32,9 +32,10 @@ const budgetBuckets = 10
 // request to an overloaded server is tried four times, the server sees four
 // times its normal load until it falls over. A Budget caps that
 // multiplication. It counts, over a sliding window, the first attempts of
-// requests and the retries sent to each host, and allows a retry only while
+// requests and the retries sent to each host, and allows a retry only if,
+// counting it,
 //
-//	retries in the window < ratio × first attempts in the window + floor × window
+//	retries in the window ≤ ratio × first attempts in the window + floor × window in seconds
 //
 // where floor is a number of retries per second that is allowed however
 // little traffic there is, so that a client sending one request a minute can

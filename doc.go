@@ -39,4 +39,23 @@
 // [KeyStore] and stays pending until the outcome is final (a 2xx or 3xx, or a
 // 4xx that is not retryable), so a later call for the same operation, in this
 // process or the next, sends the same key.
+//
+// # Retry budgets, circuit breakers and rate limits
+//
+// Retries multiply load exactly when a server can least take it. Each host
+// (scheme, host and port) gets three guards, all optional:
+//
+//   - A retry budget, on by default: retries may add at most 20% to the
+//     first attempts of the last 10 seconds, plus a floor of 3 per second.
+//     A refused retry ends the request with its last outcome; see [Budget].
+//   - A circuit breaker, on by default: after repeated network errors or
+//     5xx responses the host's breaker opens, and for a while requests fail
+//     at once with [ErrCircuitOpen] without being sent; see
+//     [BreakerSettings].
+//   - An adaptive rate limit, off by default: attempts wait for the host's
+//     limiter, whose rate halves on a 429 and creeps back on successes; see
+//     [WithRateLimit].
+//
+// A request refused by the budget or the breaker leaves its operation's key
+// pending, like any outcome that is not final.
 package idemhttp
