@@ -294,6 +294,7 @@ func TestBreakerLifecycleThroughTransport(t *testing.T) {
 				assert.Equal(t, []Reason{ReasonAttemptsExhausted, ReasonAttemptsExhausted, ReasonCircuitOpen}, rec.reasons()[:3])
 				assert.Contains(t, logs.String(), `level=WARN msg="idemhttp: circuit breaker open" host=http://a.example:80 from=closed to=open`)
 				assert.Contains(t, logs.String(), `level=INFO msg="idemhttp: circuit breaker half-open"`)
+				assert.NotContains(t, logs.String(), `reason="circuit open"`, "refusals are logged at Debug only")
 				assert.EqualValues(t, map[bool]int32{true: 4, false: 3}[recovered], host.hits.Load())
 			})
 		})

@@ -387,6 +387,10 @@ func (c *call) log(a Attempt) {
 	case a.Retrying():
 	case a.Reason == ReasonSuccess || a.Reason == ReasonNotRetryable || a.Reason == ReasonCanceled:
 		return
+	case a.Reason == ReasonCircuitOpen && errors.Is(a.Err, ErrCircuitOpen):
+		// Refused before sending: one line per request would flood the log
+		// while a host is down; the breaker opening is logged at Warn.
+		msg = "idemhttp: circuit open, not sent"
 	default:
 		level, msg = slog.LevelWarn, "idemhttp: giving up"
 	}
