@@ -25,7 +25,9 @@ const (
 // breaker's OpenTimeout and Interval so that forgetting a host loses nothing
 // it would still act on. Eviction happens while requests are made; the
 // Transport starts no goroutine for it. Values of zero or less keep the
-// defaults. A [Budget] bounds its own hosts; see [BudgetMaxHosts].
+// defaults
+// (or the value an earlier WithHostLimits set). A [Budget] bounds its own
+// hosts; see [BudgetMaxHosts].
 func WithHostLimits(maxHosts int, idle time.Duration) Option {
 	return func(c *config) {
 		if maxHosts > 0 {

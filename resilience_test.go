@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -126,6 +127,12 @@ func TestResilienceDefaults(t *testing.T) {
 	tr := NewTransport(nil, WithBreaker(BreakerSettings{OpenTimeout: time.Minute}))
 	assert.Equal(t, time.Minute, tr.breakers.settings.OpenTimeout)
 	assert.Equal(t, uint32(DefaultBreakerConsecutiveFailures), tr.breakers.settings.ConsecutiveFailures)
+
+	limited := NewTransport(nil, WithHostLimits(10, time.Second), WithHostLimits(0, -1))
+	assert.Equal(t, 10, limited.cfg.maxHosts, "zero or less keeps the value")
+	assert.Equal(t, time.Second, limited.cfg.idleHost)
+	assert.Equal(t, DefaultMaxHosts, NewTransport(nil).cfg.maxHosts)
+	assert.Equal(t, DefaultIdleHostTimeout, NewTransport(nil).cfg.idleHost)
 
 	shared := NewBudget()
 	a, b := NewTransport(nil, WithBudget(shared)), NewTransport(nil, WithBudget(shared))
@@ -458,4 +465,29 @@ func TestResilienceConcurrent(t *testing.T) {
 	assert.EqualValues(t, 32*20, refused.Load()+failed.Load())
 	assert.Greater(t, refused.Load(), int32(32*20-64), "almost all requests refused once open")
 	assert.LessOrEqual(t, srv.hits.Load(), int32(5+3*32), "the tripping failures and those in flight")
+}
+
+// A client calling many distinct hosts keeps state for a bounded number.
+func TestTransportHostStateIsBounded(t *testing.T) {
+	budget := NewBudget(BudgetMaxHosts(16))
+	tr := NewTransport(newFakeHost(200), WithHostLimits(8, time.Hour), WithRateLimit(rate.Inf, 1), WithBudget(budget))
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 250 {
+				u := "http://h" + strconv.Itoa(g) + "-" + strconv.Itoa(i) + ".example/"
+				code, err := roundTrip(tr, get(t, context.Background(), u))
+				assert.NoError(t, err)
+				assert.Equal(t, 200, code)
+			}
+		}()
+	}
+	wg.Wait()
+	now := time.Now()
+	assert.LessOrEqual(t, tr.breakers.hosts.Len(now), 8)
+	assert.LessOrEqual(t, tr.limiters.hosts.Len(now), 8)
+	assert.LessOrEqual(t, budget.hosts.Len(now), 16)
+	assert.EqualValues(t, 2000, budget.Stats().FirstAttempts)
 }
