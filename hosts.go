@@ -24,10 +24,8 @@ const (
 // when it is used again: closed, at the configured rate. Keep idle above the
 // breaker's OpenTimeout and Interval so that forgetting a host loses nothing
 // it would still act on. Eviction happens while requests are made; the
-// Transport starts no goroutine for it. Values of zero or less keep the
-// defaults
-// (or the value an earlier WithHostLimits set). A [Budget] bounds its own
-// hosts; see [BudgetMaxHosts].
+// Transport starts no goroutine for it. A value of zero or less leaves that
+// limit as it was. A [Budget] bounds its own hosts; see [BudgetMaxHosts].
 func WithHostLimits(maxHosts int, idle time.Duration) Option {
 	return func(c *config) {
 		if maxHosts > 0 {

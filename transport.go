@@ -21,6 +21,10 @@ import (
 // response, not an error. The context of the attempt that produced the
 // returned response stays alive until the caller closes the response body.
 //
+// Each host (scheme, host and port) is guarded by a retry budget and a
+// circuit breaker, and optionally by a rate limit; see [Budget],
+// [BreakerSettings] and [WithRateLimit].
+//
 // A Transport is safe for concurrent use by multiple goroutines. Configure
 // it with options when it is made; it has no setters.
 type Transport struct {
