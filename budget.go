@@ -40,10 +40,14 @@ const budgetBuckets = 10
 // where floor is a number of retries per second that is allowed however
 // little traffic there is, so that a client sending one request a minute can
 // still retry it. With the defaults (ratio 0.2, a 10 s window, a floor of 3
-// retries per second) a busy client adds at most 20% to a failing host's
-// load, and a quiet one can make up to 30 retries in any 10 s. The window
-// slides in steps of a tenth of its length: attempts are forgotten between
-// nine and ten tenths of a window after they were made.
+// retries per second) the retries of a busy client add at most 20% to its
+// first attempts over any 10 s, and a quiet client can make up to 30
+// retries in any 10 s. Right after a host starts failing, the window still
+// holds the first attempts of the good times and none of their retries, so
+// retries may come in a short burst before the 20% settles in; the circuit
+// breaker (see [BreakerSettings]) is what stops that burst. The window slides
+// in steps of a tenth of its length: attempts are forgotten between nine and
+// ten tenths of a window after they were made.
 //
 // A retry the Budget refuses is not sent: the request ends with the outcome
 // of its last attempt, and the refusal is counted in [Budget.Stats]. A
