@@ -45,7 +45,10 @@ const (
 //     a row, or once at least MinRequests attempts in the Interval have
 //     failed at FailureRatio or more.
 //   - Open: for OpenTimeout, attempts fail at once with an error that
-//     wraps [ErrCircuitOpen], and nothing is sent.
+//     wraps [ErrCircuitOpen], and nothing is sent. A request that would
+//     retry while its host's breaker is open stops instead, with its last
+//     outcome: its last response, or its last error wrapped so that it
+//     also matches ErrCircuitOpen.
 //   - Half-open: up to HalfOpenProbes attempts are let through as probes,
 //     others fail as if open. A failed probe opens the breaker again for
 //     another OpenTimeout; HalfOpenProbes successful probes in a row close
