@@ -220,11 +220,11 @@ func (hb *hostBreaker) drain() []BreakerChange {
 }
 
 // allow asks host's breaker whether an attempt may be sent at now. If it
-// may, done must be called exactly once with the attempt's outcome and
-// returns the state changes that outcome caused. If not, err wraps
-// ErrCircuitOpen. Either way, changes lists the state changes found while
-// asking (an open breaker turning half-open).
-func (b *breakers) allow(host string, now time.Time) (done func(breakerOutcome) []BreakerChange, changes []BreakerChange, err error) {
+// may, the returned ticket's done must be called exactly once with the
+// attempt's outcome. If not, err wraps ErrCircuitOpen. Either way, changes
+// lists the state changes found while asking (an open breaker turning
+// half-open).
+func (b *breakers) allow(host string, now time.Time) (ticket breakerTicket, changes []BreakerChange, err error) {
 	hb := b.hosts.Get(host, now)
 	report, err := hb.cb.Allow()
 	changes = hb.drain()
@@ -233,23 +233,34 @@ func (b *breakers) allow(host string, now time.Time) (done func(breakerOutcome) 
 		if errors.Is(err, gobreaker.ErrTooManyRequests) {
 			state = "half-open, probes in flight"
 		}
-		return nil, changes, fmt.Errorf("%w: %s (%s)", ErrCircuitOpen, host, state)
+		return breakerTicket{}, changes, fmt.Errorf("%w: %s (%s)", ErrCircuitOpen, host, state)
 	}
-	var once sync.Once
-	return func(o breakerOutcome) (changes []BreakerChange) {
-		once.Do(func() {
-			switch o {
-			case outcomeSuccess:
-				report(nil)
-			case outcomeFailure:
-				report(errBreakerFailure)
-			default:
-				report(errBreakerExcluded)
-			}
-			changes = hb.drain()
-		})
-		return changes
-	}, changes, nil
+	return breakerTicket{hb: hb, report: report}, changes, nil
+}
+
+// A breakerTicket is a breaker's admission of one attempt. It is a value,
+// not a closure, so that admitting an attempt costs no allocation beyond
+// the breaker's own.
+type breakerTicket struct {
+	hb     *hostBreaker
+	report func(error) // nil for the zero ticket, which admits nothing
+}
+
+// admitted reports whether the ticket holds an admission not yet settled.
+func (t breakerTicket) admitted() bool { return t.report != nil }
+
+// done reports the attempt's outcome to the breaker and returns the state
+// changes it caused.
+func (t breakerTicket) done(o breakerOutcome) []BreakerChange {
+	switch o {
+	case outcomeSuccess:
+		t.report(nil)
+	case outcomeFailure:
+		t.report(errBreakerFailure)
+	default:
+		t.report(errBreakerExcluded)
+	}
+	return t.hb.drain()
 }
 
 // state returns the state of host's breaker, without creating one.

@@ -20,10 +20,10 @@ func tryBreaker(t *testing.T, b *breakers, o breakerOutcome) (bool, []BreakerCha
 	done, changes, err := b.allow(bHost, time.Now())
 	if err != nil {
 		require.ErrorIs(t, err, ErrCircuitOpen)
-		require.Nil(t, done)
+		require.False(t, done.admitted())
 		return false, changes
 	}
-	return true, append(changes, done(o)...)
+	return true, append(changes, done.done(o)...)
 }
 
 func breakerChange(from, to BreakerState) BreakerChange {
@@ -165,9 +165,8 @@ func TestHalfOpenLimitsProbesInFlight(t *testing.T) {
 		require.ErrorIs(t, err, ErrCircuitOpen, "a third probe while two are in flight")
 		assert.Contains(t, err.Error(), "half-open")
 
-		assert.Empty(t, d1(outcomeSuccess))
-		assert.Empty(t, d1(outcomeFailure), "done reports only once")
-		assert.Equal(t, []BreakerChange{breakerChange(BreakerHalfOpen, BreakerClosed)}, d2(outcomeSuccess))
+		assert.Empty(t, d1.done(outcomeSuccess))
+		assert.Equal(t, []BreakerChange{breakerChange(BreakerHalfOpen, BreakerClosed)}, d2.done(outcomeSuccess))
 	})
 }
 
@@ -176,7 +175,7 @@ func TestBreakersArePerHostAndBounded(t *testing.T) {
 		b := newBreakers(BreakerSettings{ConsecutiveFailures: 1}, 4, time.Minute)
 		done, _, err := b.allow("https://a.example:443", time.Now())
 		require.NoError(t, err)
-		done(outcomeFailure)
+		done.done(outcomeFailure)
 		_, _, err = b.allow("https://a.example:443", time.Now())
 		require.ErrorIs(t, err, ErrCircuitOpen)
 		_, _, err = b.allow("https://b.example:443", time.Now())
@@ -185,7 +184,7 @@ func TestBreakersArePerHostAndBounded(t *testing.T) {
 		for i := range 100 {
 			done, _, err := b.allow("https://h"+string(rune('a'+i%26))+".example:443", time.Now())
 			require.NoError(t, err)
-			done(outcomeSuccess)
+			done.done(outcomeSuccess)
 		}
 		assert.Equal(t, 4, b.hosts.Len(time.Now()))
 		time.Sleep(time.Minute + time.Nanosecond)
@@ -212,7 +211,7 @@ func TestBreakerConcurrent(t *testing.T) {
 					done, changes, err := b.allow(bHost, time.Now())
 					if err == nil {
 						allowed.Add(1)
-						changes = append(changes, done(outcomeFailure)...)
+						changes = append(changes, done.done(outcomeFailure)...)
 					}
 					mu.Lock()
 					all = append(all, changes...)

@@ -89,9 +89,9 @@ type call struct {
 	pending   bool     // key is pending in the KeyStore under operation
 	resend    bool     // the request may be sent again after it reached the server
 
-	host        string                               // scheme://host:port, for per-host state
-	breakerDone func(breakerOutcome) []BreakerChange // reports the admitted attempt to the breaker
-	changes     []BreakerChange                      // breaker changes not yet reported
+	host    string          // scheme://host:port, for per-host state
+	breaker breakerTicket   // the breaker's admission of the attempt in flight
+	changes []BreakerChange // breaker changes not yet reported
 }
 
 func (c *call) run() (*http.Response, error) {
@@ -167,13 +167,13 @@ func (c *call) assignKey() error {
 // though nothing was sent.
 func (c *call) admit(n int) (Reason, error) {
 	if b := c.t.breakers; b != nil {
-		done, changes, err := b.allow(c.host, time.Now())
+		ticket, changes, err := b.allow(c.host, time.Now())
 		c.changes = append(c.changes, changes...)
 		if err != nil {
 			c.report(n, outcome{err: err}, ReasonCircuitOpen, 0)
 			return ReasonCircuitOpen, err
 		}
-		c.breakerDone = done
+		c.breaker = ticket
 	}
 	if l := c.t.limiters; l != nil {
 		if err := l.wait(c.ctx, c.host); err != nil {
@@ -195,7 +195,7 @@ func (c *call) admit(n int) (Reason, error) {
 // 4xx included, are successes; an attempt ended by the caller's own
 // context, or never sent, counts as neither.
 func (c *call) settle(o outcome) {
-	if c.breakerDone != nil {
+	if c.breaker.admitted() {
 		result := outcomeSuccess
 		switch {
 		case o.unsent || (o.err != nil && c.ctx.Err() != nil):
@@ -203,8 +203,8 @@ func (c *call) settle(o outcome) {
 		case o.err != nil || o.resp.StatusCode >= 500:
 			result = outcomeFailure
 		}
-		c.changes = append(c.changes, c.breakerDone(result)...)
-		c.breakerDone = nil
+		c.changes = append(c.changes, c.breaker.done(result)...)
+		c.breaker = breakerTicket{}
 	}
 	if c.t.limiters != nil && o.resp != nil {
 		c.t.limiters.observe(c.host, o.resp.StatusCode)
