@@ -1,0 +1,264 @@
+package idemserver
+
+import (
+	"context"
+	"hash/maphash"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Defaults of a [MemoryStore].
+const (
+	// DefaultMaxEntries is the number of records a MemoryStore holds
+	// unless [WithMaxEntries] says otherwise.
+	DefaultMaxEntries = 100_000
+	// DefaultShards is the number of independently locked parts a
+	// MemoryStore is split into unless [WithShards] says otherwise.
+	DefaultShards = 32
+)
+
+// MemoryStore is a [Store] that keeps records in the memory of one process.
+// It suits a single server instance and tests; instances behind a load
+// balancer need a shared store, since each MemoryStore knows only its own
+// keys.
+//
+// Records are spread over shards, each with its own lock, so unrelated keys
+// rarely contend. The store is bounded: when a shard is full, a new claim
+// first makes room by dropping expired records, oldest completion first, and
+// failing that the completed record that completed longest ago. A record in
+// progress is never dropped; when a shard holds nothing else, the claim
+// fails with [ErrStoreFull], which the middleware answers with 503.
+//
+// Expiry is lazy: an expired record is removed when it is next claimed or
+// when its room is needed, so the store runs no goroutine. The zero value
+// is an empty store with the default limits, ready to use.
+type MemoryStore struct {
+	once       sync.Once
+	seed       maphash.Seed
+	shards     []memShard
+	mask       uint64
+	maxEntries int
+	nshards    int
+	closed     atomic.Bool
+}
+
+// A MemoryOption configures a [MemoryStore].
+type MemoryOption func(*MemoryStore)
+
+// WithMaxEntries bounds the number of records the store holds, in progress
+// and completed together, to about n (each shard holds n divided by the
+// number of shards, rounded up). Values below 1 mean [DefaultMaxEntries].
+func WithMaxEntries(n int) MemoryOption {
+	return func(s *MemoryStore) { s.maxEntries = n }
+}
+
+// WithShards sets the number of shards, rounded up to a power of two.
+// Values below 1 mean [DefaultShards].
+func WithShards(n int) MemoryOption {
+	return func(s *MemoryStore) { s.nshards = n }
+}
+
+// NewMemoryStore returns an empty MemoryStore configured by opts.
+func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
+	s := &MemoryStore{}
+	for _, o := range opts {
+		o(s)
+	}
+	s.init()
+	return s
+}
+
+type memShard struct {
+	mu      sync.Mutex
+	records map[Key]*memEntry
+	limit   int
+	// head and tail list the completed records, oldest completion first.
+	head, tail *memEntry
+	_          [24]byte // keeps neighbouring shards' locks off one cache line
+}
+
+type memEntry struct {
+	key        Key
+	rec        Record
+	prev, next *memEntry
+}
+
+func (s *MemoryStore) init() {
+	s.once.Do(func() {
+		if s.maxEntries < 1 {
+			s.maxEntries = DefaultMaxEntries
+		}
+		if s.nshards < 1 {
+			s.nshards = DefaultShards
+		}
+		n := 1
+		for n < s.nshards {
+			n <<= 1
+		}
+		s.seed = maphash.MakeSeed()
+		s.shards = make([]memShard, n)
+		s.mask = uint64(n - 1)
+		limit := (s.maxEntries + n - 1) / n
+		for i := range s.shards {
+			s.shards[i].records = make(map[Key]*memEntry)
+			s.shards[i].limit = limit
+		}
+	})
+}
+
+func (s *MemoryStore) shard(k Key) *memShard {
+	s.init()
+	var h maphash.Hash
+	h.SetSeed(s.seed)
+	h.WriteString(k.Scope)
+	h.WriteByte(0)
+	h.WriteString(k.Key)
+	return &s.shards[h.Sum64()&s.mask]
+}
+
+// Claim implements [Store].
+func (s *MemoryStore) Claim(ctx context.Context, c Claim) (ClaimResult, error) {
+	return s.claim(ctx, c, false, "")
+}
+
+// TakeOver implements [Store].
+func (s *MemoryStore) TakeOver(ctx context.Context, c Claim, expiredToken string) (ClaimResult, error) {
+	return s.claim(ctx, c, true, expiredToken)
+}
+
+func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string) (ClaimResult, error) {
+	if err := ctx.Err(); err != nil {
+		return ClaimResult{}, err
+	}
+	sh := s.shard(c.Key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if s.closed.Load() {
+		return ClaimResult{}, ErrClosed
+	}
+	fresh := Record{Fingerprint: c.Fingerprint, Token: c.Token, LeaseExpires: c.LeaseExpires}
+	if e := sh.records[c.Key]; e != nil {
+		switch {
+		case e.rec.Completed() && !c.Now.Before(e.rec.Expires):
+			sh.remove(e)
+		case takeOver && !e.rec.Completed() && e.rec.Token == expiredToken:
+			e.rec = fresh
+			return ClaimResult{Claimed: true}, nil
+		default:
+			return ClaimResult{Record: e.rec}, nil
+		}
+	}
+	if len(sh.records) >= sh.limit && !sh.evict(c.Now) {
+		return ClaimResult{}, ErrStoreFull
+	}
+	sh.records[c.Key] = &memEntry{key: c.Key, rec: fresh}
+	return ClaimResult{Claimed: true}, nil
+}
+
+// Complete implements [Store].
+func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	e := sh.records[key]
+	if e == nil || e.rec.Completed() || e.rec.Token != token {
+		return ErrLeaseLost
+	}
+	e.rec.Response = resp
+	e.rec.Expires = expires
+	sh.pushCompleted(e)
+	return nil
+}
+
+// Release implements [Store].
+func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	e := sh.records[key]
+	if e == nil || e.rec.Completed() || e.rec.Token != token {
+		return ErrLeaseLost
+	}
+	delete(sh.records, key)
+	return nil
+}
+
+// Len returns the number of records the store holds, including expired
+// ones that have not been removed yet.
+func (s *MemoryStore) Len() int {
+	s.init()
+	n := 0
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		n += len(sh.records)
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// Close drops every record. Later calls of the store's methods return
+// [ErrClosed]. The store runs no goroutine, so nothing outlives Close.
+// Close always returns nil.
+func (s *MemoryStore) Close() error {
+	s.init()
+	s.closed.Store(true)
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		clear(sh.records)
+		sh.head, sh.tail = nil, nil
+		sh.mu.Unlock()
+	}
+	return nil
+}
+
+// evict makes room for one record: it drops the expired records at the old
+// end of the completed list, or failing that the oldest completed record.
+// It reports false when there is no completed record to drop.
+func (sh *memShard) evict(now time.Time) bool {
+	if sh.head == nil {
+		return false
+	}
+	if now.Before(sh.head.rec.Expires) {
+		sh.remove(sh.head)
+		return true
+	}
+	for sh.head != nil && !now.Before(sh.head.rec.Expires) {
+		sh.remove(sh.head)
+	}
+	return true
+}
+
+func (sh *memShard) pushCompleted(e *memEntry) {
+	e.prev, e.next = sh.tail, nil
+	if sh.tail != nil {
+		sh.tail.next = e
+	} else {
+		sh.head = e
+	}
+	sh.tail = e
+}
+
+// remove deletes a completed record from the map and the list.
+func (sh *memShard) remove(e *memEntry) {
+	if e.prev != nil {
+		e.prev.next = e.next
+	} else {
+		sh.head = e.next
+	}
+	if e.next != nil {
+		e.next.prev = e.prev
+	} else {
+		sh.tail = e.prev
+	}
+	e.prev, e.next = nil, nil
+	delete(sh.records, e.key)
+}

@@ -1,0 +1,217 @@
+package idemserver
+
+import (
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Defaults of the middleware.
+const (
+	// DefaultKeyHeader is the header field that carries the key.
+	DefaultKeyHeader = "Idempotency-Key"
+	// DefaultTTL is how long a completed response is kept for replay.
+	DefaultTTL = 24 * time.Hour
+	// DefaultLease is how long a handler may run before another request
+	// with its key may take its claim over.
+	DefaultLease = time.Minute
+	// DefaultMaxBodyBytes is the largest request body the middleware
+	// reads to fingerprint a request.
+	DefaultMaxBodyBytes = 1 << 20
+	// DefaultMaxResponseBytes is the largest response body the middleware
+	// stores for replay.
+	DefaultMaxResponseBytes = 1 << 20
+	// DefaultRetryAfter is the wait the middleware asks for in the
+	// Retry-After field of its 409 and 503 responses.
+	DefaultRetryAfter = time.Second
+)
+
+// An Option configures the middleware.
+type Option func(*config)
+
+type config struct {
+	header        string
+	methods       map[string]bool
+	requireKey    bool
+	scope         func(*http.Request) string
+	wait          time.Duration
+	ttl           time.Duration
+	lease         time.Duration
+	maxBody       int64
+	maxResponse   int64
+	retryAfter    string
+	replayHeaders map[string]bool
+	now           func() time.Time
+	observe       func(Event)
+}
+
+func newConfig(opts []Option) *config {
+	c := &config{
+		header:      DefaultKeyHeader,
+		methods:     map[string]bool{http.MethodPost: true, http.MethodPatch: true},
+		ttl:         DefaultTTL,
+		lease:       DefaultLease,
+		maxBody:     DefaultMaxBodyBytes,
+		maxResponse: DefaultMaxResponseBytes,
+		now:         time.Now,
+	}
+	WithRetryAfter(DefaultRetryAfter)(c)
+	for _, o := range opts {
+		o(c)
+	}
+	return c
+}
+
+// RequireKey makes the key mandatory: a request with a keyed method and no
+// key is refused with 400 and a problem of type [ProblemMissingKey]. Without
+// this option such a request goes straight to the handler.
+func RequireKey() Option {
+	return func(c *config) { c.requireKey = true }
+}
+
+// WithScope sets the function that names the scope of a request's key,
+// such as the authenticated tenant or principal. Keys of different scopes
+// are different keys: one scope can neither replay nor block another's. The
+// function runs after the middlewares in front of this one, so it can read
+// what an authentication middleware put in the request's context. A nil
+// function, the default, puts every key in the empty scope.
+func WithScope(scope func(*http.Request) string) Option {
+	return func(c *config) { c.scope = scope }
+}
+
+// WithWaitInFlight makes a request whose key is in progress wait, up to max,
+// for the first request to complete and then replay its response, instead
+// of being refused at once with 409. A request still waiting after max, or
+// whose context ends, gets the 409. The wait polls the store, first after
+// 5ms and then at growing intervals up to 250ms. Zero, the default, means
+// no wait.
+func WithWaitInFlight(max time.Duration) Option {
+	return func(c *config) { c.wait = max }
+}
+
+// WithTTL sets how long a completed response is kept for replay; after it
+// the key may be used again. Values of zero or less mean [DefaultTTL].
+func WithTTL(d time.Duration) Option {
+	return func(c *config) {
+		if d <= 0 {
+			d = DefaultTTL
+		}
+		c.ttl = d
+	}
+}
+
+// WithLease sets how long a handler may run under its claim. A record still
+// in progress after that is taken to belong to a handler that crashed, and
+// the next request with its key takes it over and runs the handler again,
+// so the lease must be longer than the slowest handler. Values of zero or
+// less mean [DefaultLease].
+func WithLease(d time.Duration) Option {
+	return func(c *config) {
+		if d <= 0 {
+			d = DefaultLease
+		}
+		c.lease = d
+	}
+}
+
+// WithKeyHeader sets the name of the header field that carries the key.
+// An empty name means [DefaultKeyHeader].
+func WithKeyHeader(name string) Option {
+	return func(c *config) {
+		if name == "" {
+			name = DefaultKeyHeader
+		}
+		c.header = http.CanonicalHeaderKey(name)
+	}
+}
+
+// WithMethods sets the methods whose requests are deduplicated; requests
+// with other methods go straight to the handler. The default is POST and
+// PATCH. Calling it with no methods restores the default.
+func WithMethods(methods ...string) Option {
+	return func(c *config) {
+		if len(methods) == 0 {
+			methods = []string{http.MethodPost, http.MethodPatch}
+		}
+		c.methods = make(map[string]bool, len(methods))
+		for _, m := range methods {
+			c.methods[strings.ToUpper(m)] = true
+		}
+	}
+}
+
+// WithMaxBodyBytes sets the largest request body the middleware reads to
+// fingerprint a keyed request. A larger body is refused with 413 and a
+// problem of type [ProblemBodyTooLarge], and the handler does not run.
+// Values below 1 mean [DefaultMaxBodyBytes].
+func WithMaxBodyBytes(n int64) Option {
+	return func(c *config) {
+		if n < 1 {
+			n = DefaultMaxBodyBytes
+		}
+		c.maxBody = n
+	}
+}
+
+// WithMaxResponseBytes sets the largest response body the middleware keeps
+// for replay. A larger response still reaches the client in full, and the
+// key is still completed, so a retry cannot run the handler again; but the
+// body is not stored, and a replay carries the original status with a
+// problem of type [ProblemResponseNotStored] as its body. Values below 1
+// mean [DefaultMaxResponseBytes].
+func WithMaxResponseBytes(n int64) Option {
+	return func(c *config) {
+		if n < 1 {
+			n = DefaultMaxResponseBytes
+		}
+		c.maxResponse = n
+	}
+}
+
+// WithReplayedHeaders names header fields that are withheld from replays by
+// default, such as Set-Cookie, that should be stored and replayed. Hop-by-hop
+// fields (Connection, Keep-Alive, Proxy-*, TE, Trailer, Transfer-Encoding,
+// Upgrade and any named in Connection) are never replayed.
+func WithReplayedHeaders(names ...string) Option {
+	return func(c *config) {
+		if c.replayHeaders == nil {
+			c.replayHeaders = make(map[string]bool, len(names))
+		}
+		for _, n := range names {
+			c.replayHeaders[http.CanonicalHeaderKey(n)] = true
+		}
+	}
+}
+
+// WithRetryAfter sets the wait, rounded up to whole seconds, that the
+// middleware's 409 (in progress) and 503 (store unavailable) responses ask
+// for in their Retry-After field. Values below one second mean one second.
+func WithRetryAfter(d time.Duration) Option {
+	return func(c *config) {
+		secs := (d + time.Second - 1) / time.Second
+		if secs < 1 {
+			secs = 1
+		}
+		c.retryAfter = strconv.FormatInt(int64(secs), 10)
+	}
+}
+
+// WithClock sets the clock the middleware reads to stamp claims, leases and
+// expiries. Nil means time.Now, which also follows the fake clock of a
+// testing/synctest bubble.
+func WithClock(now func() time.Time) Option {
+	return func(c *config) {
+		if now == nil {
+			now = time.Now
+		}
+		c.now = now
+	}
+}
+
+// WithObserver sets a function called once for every keyed request with
+// what the middleware did, for logs and metrics. It is called on the
+// request's goroutine, after the response is written, and must not block.
+func WithObserver(observe func(Event)) Option {
+	return func(c *config) { c.observe = observe }
+}

@@ -1,0 +1,97 @@
+package idemserver
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+)
+
+// Problem types. Every response the middleware writes itself is an
+// application/problem+json document (RFC 9457) whose "type" member is one
+// of these URIs; they are stable, so clients can branch on them. Each URI
+// leads to the documentation of its constant.
+const (
+	// ProblemMalformedKey (400): the key header is not a valid key, or the
+	// request carries more than one.
+	ProblemMalformedKey = problemBase + "ProblemMalformedKey"
+	// ProblemMissingKey (400): the request has no key and the middleware
+	// requires one (see [RequireKey]).
+	ProblemMissingKey = problemBase + "ProblemMissingKey"
+	// ProblemBodyTooLarge (413): the request body is larger than the limit
+	// the middleware reads to fingerprint it (see [WithMaxBodyBytes]).
+	ProblemBodyTooLarge = problemBase + "ProblemBodyTooLarge"
+	// ProblemBodyUnreadable (400): the request body could not be read.
+	ProblemBodyUnreadable = problemBase + "ProblemBodyUnreadable"
+	// ProblemFingerprintMismatch (422): the key was first used for a
+	// request with a different method, path, query or body. Retrying will
+	// not help; the client must use a new key for a new request.
+	ProblemFingerprintMismatch = problemBase + "ProblemFingerprintMismatch"
+	// ProblemInProgress (409, with Retry-After): a request with this key
+	// is still being processed. Retry the same request later.
+	ProblemInProgress = problemBase + "ProblemInProgress"
+	// ProblemStoreUnavailable (503, with Retry-After): the middleware could
+	// not reach its store, or could not keep the outcome, and did not run
+	// the handler or kept nothing it did. Retry the same request later.
+	ProblemStoreUnavailable = problemBase + "ProblemStoreUnavailable"
+	// ProblemResponseNotStored (replayed with the original status): the
+	// request with this key was processed, but its response was too large
+	// to keep (see [WithMaxResponseBytes]).
+	ProblemResponseNotStored = problemBase + "ProblemResponseNotStored"
+)
+
+const problemBase = "https://pkg.go.dev/github.com/idemhttp/idemhttp/idemserver#"
+
+// problem is an RFC 9457 problem details document.
+type problem struct {
+	Type   string `json:"type"`
+	Title  string `json:"title"`
+	Status int    `json:"status"`
+	Detail string `json:"detail,omitempty"`
+}
+
+// problemTitle returns the short, fixed summary of a problem type.
+func problemTitle(typ string) string {
+	switch typ {
+	case ProblemMalformedKey:
+		return "Malformed idempotency key"
+	case ProblemMissingKey:
+		return "Idempotency key required"
+	case ProblemBodyTooLarge:
+		return "Request body too large"
+	case ProblemBodyUnreadable:
+		return "Request body unreadable"
+	case ProblemFingerprintMismatch:
+		return "Idempotency key reused for a different request"
+	case ProblemInProgress:
+		return "Request with this idempotency key in progress"
+	case ProblemStoreUnavailable:
+		return "Idempotency store unavailable"
+	case ProblemResponseNotStored:
+		return "Response of this idempotency key not stored"
+	}
+	return ""
+}
+
+// problemBody returns the JSON document of a problem.
+func problemBody(typ string, status int, detail string) []byte {
+	b, err := json.Marshal(problem{Type: typ, Title: problemTitle(typ), Status: status, Detail: detail})
+	if err != nil { // cannot happen: every field is a string or an int
+		panic(err)
+	}
+	return b
+}
+
+// writeProblem writes a problem response. retryAfter, when not empty, is
+// sent as the Retry-After field.
+func writeProblem(w http.ResponseWriter, typ string, status int, detail, retryAfter string) {
+	body := problemBody(typ, status, detail)
+	h := w.Header()
+	h.Set("Content-Type", "application/problem+json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	h.Set("Cache-Control", "no-store")
+	if retryAfter != "" {
+		h.Set("Retry-After", retryAfter)
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}

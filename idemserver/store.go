@@ -1,0 +1,186 @@
+package idemserver
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"time"
+)
+
+// A Store remembers idempotency keys for the middleware: which keys are in
+// progress, under which lease, and the responses of those that completed.
+//
+// # Life of a record
+//
+// The middleware calls [Store.Claim] once per keyed request. If no record
+// exists for the key (or the one there has outlived its expiry), Claim
+// inserts an in-progress record holding the caller's lease token and
+// fingerprint and reports Claimed; otherwise it inserts nothing and reports
+// the record it found. Exactly one of any number of concurrent Claims of a
+// key may succeed. The holder of the lease then runs the handler and ends
+// the claim with exactly one of [Store.Complete], which turns the record
+// into a completed one that keeps the response until its expiry, or
+// [Store.Release], which deletes it so that a retry can run the handler
+// again. Both act only while the record still holds the caller's lease
+// token; otherwise they change nothing and return [ErrLeaseLost].
+//
+// A lease ends at the LeaseExpires time of its [Claim]. A record still in
+// progress after that belonged to a handler that crashed or hung, and the
+// middleware takes it over with [Store.TakeOver], a compare-and-set on the
+// expired lease token: of several requests trying to take over the same
+// lease, only one succeeds.
+//
+// # One round trip
+//
+// Each method is one statement in a SQL database. Claim is an insert that
+// does nothing on conflict and reports the row that is there, for example
+// in PostgreSQL
+//
+//	WITH ins AS (
+//	    INSERT INTO idempotency (scope, key, fingerprint, token, lease_expires)
+//	    VALUES ($1, $2, $3, $4, $5)
+//	    ON CONFLICT (scope, key) DO UPDATE SET
+//	        fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token,
+//	        lease_expires = EXCLUDED.lease_expires, response = NULL
+//	    WHERE idempotency.expires <= $6
+//	    RETURNING true AS claimed, fingerprint, token, lease_expires, response, expires)
+//	SELECT * FROM ins
+//	UNION ALL
+//	SELECT false, fingerprint, token, lease_expires, response, expires
+//	FROM idempotency WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)
+//
+// If a concurrent claim committed after the statement took its snapshot,
+// neither half returns a row and the store runs the statement again.
+// TakeOver is the same statement with "token = $7 AND response IS NULL"
+// in place of the expiry test; Complete and Release are an UPDATE and a
+// DELETE whose WHERE clause names the lease token.
+//
+// # Transactions
+//
+// A store may run the handler inside its claim. Claim receives the request's
+// context; a store that begins a transaction there returns a context that
+// carries it in [ClaimResult.Context]. The middleware then serves the
+// handler with that context, so the handler can do its own writes in the
+// transaction, and passes the same context (without its cancellation) to
+// Complete or Release, which commit or roll back. Such a store holds the row
+// lock of the uncommitted claim until then, so concurrent claims of the same
+// key wait for the first to finish instead of seeing it in progress. When the
+// commit in Complete fails, the store returns an error wrapping
+// [ErrRolledBack], and the middleware replaces the handler's response with
+// 503, since nothing the handler did was kept.
+//
+// # Contract
+//
+// Implementations must be safe for concurrent use by multiple goroutines.
+// Times passed in are the middleware's clock readings; a store may use a
+// clock of its own (a database's now()) instead, as long as it uses that
+// clock for every record. A store may keep and return the [Response] given
+// to Complete; no one may modify it afterwards. An error from Claim or
+// TakeOver means the store could not be asked: the middleware answers 503
+// with Retry-After and does not run the handler.
+type Store interface {
+	// Claim inserts an in-progress record for c.Key holding c's lease token
+	// and fingerprint, unless a record that has not expired exists, and
+	// reports which of the two happened. A completed record whose Expires
+	// is not after c.Now counts as absent.
+	Claim(ctx context.Context, c Claim) (ClaimResult, error)
+
+	// TakeOver is Claim, except that an in-progress record whose lease token
+	// is expiredToken is replaced as if it were absent. The middleware calls
+	// it only for a lease that has expired and a record with c's fingerprint.
+	TakeOver(ctx context.Context, c Claim, expiredToken string) (ClaimResult, error)
+
+	// Complete stores resp as the outcome of the in-progress record of key,
+	// to be kept until expires, provided the record still holds token.
+	// Otherwise it returns an error wrapping [ErrLeaseLost].
+	Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error
+
+	// Release deletes the in-progress record of key, provided it still
+	// holds token. Otherwise it returns an error wrapping [ErrLeaseLost].
+	Release(ctx context.Context, key Key, token string) error
+}
+
+// Key identifies a record: the client's idempotency key within a scope.
+// Records of different scopes never meet, whatever their keys.
+type Key struct {
+	// Scope is the value of the middleware's scope function, such as a
+	// tenant or principal; empty without one.
+	Scope string
+	// Key is the idempotency key the client sent, unquoted.
+	Key string
+}
+
+// A Claim asks a [Store] for the lease on a key.
+type Claim struct {
+	// Key is the record to claim.
+	Key Key
+	// Fingerprint identifies the request's content.
+	Fingerprint Fingerprint
+	// Token is the new lease token, unique to this attempt.
+	Token string
+	// Now is the time of the claim.
+	Now time.Time
+	// LeaseExpires is when the lease ends and the record, if still in
+	// progress, may be taken over.
+	LeaseExpires time.Time
+}
+
+// ClaimResult is what [Store.Claim] and [Store.TakeOver] report.
+type ClaimResult struct {
+	// Claimed reports that the caller now holds the lease: the record was
+	// inserted (or taken over) with the claim's token.
+	Claimed bool
+	// Record is the record found instead, when Claimed is false.
+	Record Record
+	// Context, when not nil, replaces the request's context for the handler
+	// and is the context of the Complete or Release that ends the claim. A
+	// store sets it to hand the handler a transaction; see [Store].
+	Context context.Context
+}
+
+// A Record is the state of one key.
+type Record struct {
+	// Fingerprint is that of the request that claimed the key.
+	Fingerprint Fingerprint
+	// Token is the lease token of the in-progress claim.
+	Token string
+	// LeaseExpires is when the lease of an in-progress record ends.
+	LeaseExpires time.Time
+	// Response is the stored outcome; nil while the record is in progress.
+	Response *Response
+	// Expires is when a completed record may be forgotten.
+	Expires time.Time
+}
+
+// Completed reports whether the record holds a response.
+func (r *Record) Completed() bool { return r.Response != nil }
+
+// A Response is a stored outcome, replayed to later requests with the key.
+type Response struct {
+	// Status is the HTTP status code.
+	Status int
+	// Header holds the replayable header fields: hop-by-hop fields and,
+	// unless allowed, Set-Cookie are never stored.
+	Header http.Header
+	// Body is the response body.
+	Body []byte
+	// BodyOmitted reports that the body was larger than the middleware's
+	// response limit and was not stored. A replay then carries Status and
+	// a problem document of type [ProblemResponseNotStored] instead.
+	BodyOmitted bool
+}
+
+// Errors a Store reports. Use errors.Is to test for them.
+var (
+	// ErrLeaseLost means the record no longer holds the caller's lease
+	// token: it expired and another request took it over, or it is gone.
+	ErrLeaseLost = errors.New("idemserver: lease lost")
+	// ErrRolledBack means a transactional store could not commit: the
+	// claim, the handler's writes and the response were all discarded.
+	ErrRolledBack = errors.New("idemserver: transaction rolled back")
+	// ErrStoreFull means a bounded store has no room for a new record,
+	// because every record it holds is in progress.
+	ErrStoreFull = errors.New("idemserver: store full")
+	// ErrClosed means the store was closed.
+	ErrClosed = errors.New("idemserver: store closed")
+)
