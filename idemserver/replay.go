@@ -162,13 +162,18 @@ func (c *recorder) response(allow map[string]bool) *Response {
 // Set-Cookie unless allow names it.
 func replayable(h http.Header, allow map[string]bool) http.Header {
 	var named map[string]bool
-	for _, v := range h["Connection"] {
-		for tok := range strings.SplitSeq(v, ",") {
-			if tok = strings.TrimSpace(tok); tok != "" {
-				if named == nil {
-					named = make(map[string]bool)
+	for k, vs := range h {
+		if !strings.EqualFold(k, "Connection") {
+			continue
+		}
+		for _, v := range vs {
+			for tok := range strings.SplitSeq(v, ",") {
+				if tok = strings.TrimSpace(tok); tok != "" {
+					if named == nil {
+						named = make(map[string]bool)
+					}
+					named[textproto.CanonicalMIMEHeaderKey(tok)] = true
 				}
-				named[textproto.CanonicalMIMEHeaderKey(tok)] = true
 			}
 		}
 	}

@@ -1,0 +1,456 @@
+package idemserver
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// claimCounter counts Claim calls and closes reached once n were made.
+type claimCounter struct {
+	Store
+	n       int64
+	calls   atomic.Int64
+	reached chan struct{}
+}
+
+func (s *claimCounter) Claim(ctx context.Context, c Claim) (ClaimResult, error) {
+	if s.calls.Add(1) == s.n {
+		close(s.reached)
+	}
+	return s.Store.Claim(ctx, c)
+}
+
+func TestConcurrentSameKeyRunsHandlerOnce(t *testing.T) {
+	const n = 200
+	for _, tt := range []struct {
+		name string
+		opts []Option
+	}{
+		{name: "refuse in flight"},
+		{name: "wait in flight", opts: []Option{WithWaitInFlight(time.Minute)}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			store := &claimCounter{Store: NewMemoryStore(), n: n, reached: make(chan struct{})}
+			var calls atomic.Int64
+			h := Middleware(store, tt.opts...)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				calls.Add(1)
+				// Hold the claim until every request has asked for it.
+				select {
+				case <-store.reached:
+				case <-r.Context().Done():
+				}
+				w.Header().Set("Content-Type", "application/json")
+				w.Header().Set("Location", "/orders/1")
+				w.WriteHeader(http.StatusCreated)
+				_, _ = io.WriteString(w, `{"id":1}`)
+			}))
+
+			replies := make([]*httptest.ResponseRecorder, n)
+			var wg sync.WaitGroup
+			for i := range n {
+				wg.Go(func() {
+					replies[i] = serve(h, newRequest(http.MethodPost, "/orders", "k1", `{"item":"book"}`))
+				})
+			}
+			wg.Wait()
+
+			assert.EqualValues(t, 1, calls.Load(), "handler runs")
+			var original *httptest.ResponseRecorder
+			var replayed, conflicts int
+			for _, w := range replies {
+				switch {
+				case w.Code == http.StatusConflict:
+					conflicts++
+					assert.NotEmpty(t, w.Header().Get("Retry-After"))
+				case w.Header().Get(ReplayedHeader) == "true":
+					replayed++
+				default:
+					require.Nil(t, original, "two originals")
+					original = w
+				}
+			}
+			require.NotNil(t, original)
+			assert.Equal(t, http.StatusCreated, original.Code)
+			assert.Equal(t, n-1, replayed+conflicts)
+			if len(tt.opts) > 0 {
+				assert.Zero(t, conflicts, "waiting requests replay")
+			}
+			for _, w := range replies {
+				if w.Header().Get(ReplayedHeader) != "true" {
+					continue
+				}
+				assert.Equal(t, original.Code, w.Code)
+				assert.Equal(t, original.Body.Bytes(), w.Body.Bytes())
+				h := w.Header().Clone()
+				h.Del(ReplayedHeader)
+				assert.Equal(t, original.Header(), h)
+			}
+		})
+	}
+}
+
+func TestMalformedKeyIsRefused(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		values []string
+	}{
+		{"empty", []string{""}},
+		{"blank", []string{" \t "}},
+		{"256 characters", []string{strings.Repeat("k", 256)}},
+		{"256 characters quoted", []string{`"` + strings.Repeat("k", 256) + `"`}},
+		{"control character", []string{"abc\x01def"}},
+		{"control character quoted", []string{"\"abc\x7fdef\""}},
+		{"inner space bare", []string{"abc def"}},
+		{"non-ASCII", []string{"clé"}},
+		{"non-ASCII quoted", []string{`"clé"`}},
+		{"unterminated quote", []string{`"abc`}},
+		{"stray closing quote", []string{`abc"`}},
+		{"text after quote", []string{`"abc"def`}},
+		{"parameters", []string{`"abc";a=1`}},
+		{"invalid escape", []string{`"ab\c"`}},
+		{"dangling escape", []string{`"abc\`}},
+		{"empty quoted", []string{`""`}},
+		{"two fields", []string{"a", "b"}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := &countingHandler{}
+			r := newRequest(http.MethodPost, "/x", "", "body")
+			r.Header[DefaultKeyHeader] = tt.values
+			w := serve(Middleware(nil)(h), r)
+			decodeProblem(t, w, ProblemMalformedKey, http.StatusBadRequest)
+			assert.Zero(t, h.calls.Load(), "handler runs")
+		})
+	}
+}
+
+func TestKeyForms(t *testing.T) {
+	// The bare and the quoted form of one key are the same key.
+	h := &countingHandler{}
+	mw := Middleware(nil)(h)
+	first := serve(mw, newRequest(http.MethodPost, "/x", "a-b_c.1", "body"))
+	require.Equal(t, http.StatusCreated, first.Code)
+	second := serve(mw, newRequest(http.MethodPost, "/x", `"a-b_c.1"`, "body"))
+	assert.Equal(t, "true", second.Header().Get(ReplayedHeader))
+	assert.EqualValues(t, 1, h.calls.Load())
+}
+
+func TestMissingKey(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		require   bool
+		method    string
+		wantCode  int
+		wantCalls int64
+	}{
+		{"optional POST passes twice", false, http.MethodPost, http.StatusCreated, 2},
+		{"optional PATCH passes twice", false, http.MethodPatch, http.StatusCreated, 2},
+		{"required POST refused", true, http.MethodPost, http.StatusBadRequest, 0},
+		{"required PATCH refused", true, http.MethodPatch, http.StatusBadRequest, 0},
+		{"required GET passes", true, http.MethodGet, http.StatusCreated, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var opts []Option
+			if tt.require {
+				opts = append(opts, RequireKey())
+			}
+			h := &countingHandler{}
+			mw := Middleware(nil, opts...)(h)
+			for range 2 {
+				w := serve(mw, newRequest(tt.method, "/x", "", "body"))
+				assert.Equal(t, tt.wantCode, w.Code)
+				assert.Empty(t, w.Header().Get(ReplayedHeader))
+				if w.Code == http.StatusBadRequest {
+					decodeProblem(t, w, ProblemMissingKey, http.StatusBadRequest)
+				}
+			}
+			assert.Equal(t, tt.wantCalls, h.calls.Load())
+		})
+	}
+}
+
+func TestUnkeyedMethodPassesThrough(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		opts    []Option
+		method  string
+		replays bool
+	}{
+		{"GET by default", nil, http.MethodGet, false},
+		{"PUT by default", nil, http.MethodPut, false},
+		{"PUT when keyed", []Option{WithMethods("put")}, http.MethodPut, true},
+		{"POST when not keyed", []Option{WithMethods(http.MethodPut)}, http.MethodPost, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := &countingHandler{}
+			mw := Middleware(nil, tt.opts...)(h)
+			serve(mw, newRequest(tt.method, "/x", "k", "b"))
+			w := serve(mw, newRequest(tt.method, "/x", "k", "b"))
+			assert.Equal(t, tt.replays, w.Header().Get(ReplayedHeader) == "true")
+			want := int64(2)
+			if tt.replays {
+				want = 1
+			}
+			assert.Equal(t, want, h.calls.Load())
+		})
+	}
+}
+
+func TestFingerprintMismatch(t *testing.T) {
+	base := struct{ method, target, body string }{http.MethodPost, "/orders?a=1", "one"}
+	for _, tt := range []struct {
+		name                 string
+		method, target, body string
+		mismatch             bool
+	}{
+		{"same request replays", base.method, base.target, base.body, false},
+		{"body", base.method, base.target, "two", true},
+		{"body prefix", base.method, base.target, "on", true},
+		{"path", base.method, "/order?a=1", base.body, true},
+		{"query", base.method, "/orders?a=2", base.body, true},
+		{"query removed", base.method, "/orders", base.body, true},
+		{"path and query split differently", base.method, "/orders%3Fa=1", base.body, true},
+		{"method", http.MethodPatch, base.target, base.body, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := &countingHandler{}
+			mw := Middleware(nil)(h)
+			first := serve(mw, newRequest(base.method, base.target, "k", base.body))
+			require.Equal(t, http.StatusCreated, first.Code)
+			w := serve(mw, newRequest(tt.method, tt.target, "k", tt.body))
+			if tt.mismatch {
+				decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
+			} else {
+				assert.Equal(t, "true", w.Header().Get(ReplayedHeader))
+				assert.Equal(t, first.Body.String(), w.Body.String())
+			}
+			assert.EqualValues(t, 1, h.calls.Load())
+		})
+	}
+}
+
+func TestFingerprintMismatchWhileInProgress(t *testing.T) {
+	store := NewMemoryStore()
+	clock := newFakeClock()
+	fp := fingerprint(http.MethodPost, "/x", "", []byte("one"))
+	_, err := store.Claim(t.Context(), Claim{Key: Key{Key: "k"}, Fingerprint: fp, Token: "t", Now: clock.Now(), LeaseExpires: clock.Now().Add(time.Minute)})
+	require.NoError(t, err)
+	h := &countingHandler{}
+	mw := Middleware(store, WithClock(clock.Now))(h)
+
+	w := serve(mw, newRequest(http.MethodPost, "/x", "k", "two"))
+	decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
+
+	// Nor does an expired lease let a different request take the key.
+	clock.Advance(2 * time.Minute)
+	w = serve(mw, newRequest(http.MethodPost, "/x", "k", "two"))
+	decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
+	assert.Zero(t, h.calls.Load())
+}
+
+func TestScopeIsolation(t *testing.T) {
+	tenant := func(r *http.Request) string { return r.Header.Get("X-Tenant") }
+	req := func(tenantName, body string) *http.Request {
+		r := newRequest(http.MethodPost, "/orders", "shared-key", body)
+		r.Header.Set("X-Tenant", tenantName)
+		return r
+	}
+
+	t.Run("completed key of A is not replayed to B", func(t *testing.T) {
+		h := &countingHandler{}
+		mw := Middleware(nil, WithScope(tenant))(h)
+		a := serve(mw, req("A", "a's order"))
+		require.Equal(t, http.StatusCreated, a.Code)
+		for _, other := range []struct{ tenant, body string }{{"B", "a's order"}, {"C", "c's order"}} {
+			w := serve(mw, req(other.tenant, other.body))
+			assert.Equal(t, http.StatusCreated, w.Code, "%s runs its own request", other.tenant)
+			assert.Empty(t, w.Header().Get(ReplayedHeader), "%s must not see A's response", other.tenant)
+			assert.NotEqual(t, a.Body.String(), w.Body.String())
+		}
+		assert.EqualValues(t, 3, h.calls.Load())
+		again := serve(mw, req("A", "a's order"))
+		assert.Equal(t, "true", again.Header().Get(ReplayedHeader))
+		assert.Equal(t, a.Body.String(), again.Body.String())
+	})
+
+	t.Run("in-progress key of A does not block B", func(t *testing.T) {
+		entered, release := make(chan struct{}), make(chan struct{})
+		var calls atomic.Int64
+		mw := Middleware(nil, WithScope(tenant))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			calls.Add(1)
+			if r.Header.Get("X-Tenant") == "A" {
+				close(entered)
+				<-release
+			}
+			w.WriteHeader(http.StatusCreated)
+		}))
+		done := make(chan *httptest.ResponseRecorder)
+		go func() { done <- serve(mw, req("A", "order")) }()
+		<-entered
+		b := serve(mw, req("B", "order"))
+		assert.Equal(t, http.StatusCreated, b.Code)
+		a2 := serve(mw, req("A", "order"))
+		assert.Equal(t, http.StatusConflict, a2.Code, "A's own retry still waits")
+		close(release)
+		assert.Equal(t, http.StatusCreated, (<-done).Code)
+		assert.EqualValues(t, 2, calls.Load())
+	})
+}
+
+func TestOutcomeByStatus(t *testing.T) {
+	for _, tt := range []struct {
+		status int
+		stored bool
+	}{
+		{http.StatusOK, true},
+		{http.StatusCreated, true},
+		{http.StatusNoContent, true},
+		{http.StatusSeeOther, true},
+		{http.StatusBadRequest, true},
+		{http.StatusNotFound, true},
+		{http.StatusConflict, true},
+		{http.StatusUnprocessableEntity, true},
+		{http.StatusTooManyRequests, true},
+		{http.StatusInternalServerError, false},
+		{http.StatusBadGateway, false},
+		{http.StatusServiceUnavailable, false},
+		{599, false},
+	} {
+		t.Run(http.StatusText(tt.status)+" "+itoa(int64(tt.status)), func(t *testing.T) {
+			h := &countingHandler{status: tt.status}
+			mw := Middleware(nil)(h)
+			first := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			require.Equal(t, tt.status, first.Code)
+			second := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, tt.status, second.Code)
+			if tt.stored {
+				assert.EqualValues(t, 1, h.calls.Load())
+				assert.Equal(t, "true", second.Header().Get(ReplayedHeader))
+				assert.Equal(t, first.Body.String(), second.Body.String())
+			} else {
+				assert.EqualValues(t, 2, h.calls.Load(), "a released key runs again")
+				assert.Empty(t, second.Header().Get(ReplayedHeader))
+			}
+		})
+	}
+}
+
+func TestPanicReleasesClaim(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		value any
+	}{
+		{"panic", "boom"},
+		{"abort handler", http.ErrAbortHandler},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var events []Event
+			store := NewMemoryStore()
+			h := &countingHandler{}
+			panicking := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					w.WriteHeader(http.StatusCreated)
+					panic(tt.value)
+				}))
+			assert.PanicsWithValue(t, tt.value, func() {
+				serve(panicking, newRequest(http.MethodPost, "/x", "k", "b"))
+			})
+			assert.Zero(t, store.Len(), "claim released")
+			require.Len(t, events, 1)
+			assert.Equal(t, OutcomeReleased, events[0].Outcome)
+			assert.ErrorIs(t, events[0].Err, ErrHandlerPanicked)
+
+			w := serve(Middleware(store)(h), newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, http.StatusCreated, w.Code)
+			assert.EqualValues(t, 1, h.calls.Load())
+		})
+	}
+}
+
+func TestTTLExpiry(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		opts    []Option
+		ttl     time.Duration
+		elapsed time.Duration
+		replay  bool
+	}{
+		{"default TTL, just before", nil, DefaultTTL, DefaultTTL - time.Second, true},
+		{"default TTL, at expiry", nil, DefaultTTL, DefaultTTL, false},
+		{"short TTL, before", []Option{WithTTL(time.Hour)}, time.Hour, 59 * time.Minute, true},
+		{"short TTL, after", []Option{WithTTL(time.Hour)}, time.Hour, time.Hour + time.Second, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			h := &countingHandler{}
+			mw := Middleware(nil, append(tt.opts, WithClock(clock.Now))...)(h)
+			serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			clock.Advance(tt.elapsed)
+			w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, tt.replay, w.Header().Get(ReplayedHeader) == "true")
+			want := int64(2)
+			if tt.replay {
+				want = 1
+			}
+			assert.Equal(t, want, h.calls.Load())
+		})
+	}
+}
+
+func TestLeaseTakeover(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		lease    time.Duration
+		elapsed  time.Duration
+		takeOver bool
+	}{
+		{"default lease, not expired", 0, DefaultLease - time.Second, false},
+		{"default lease, expired", 0, DefaultLease, true},
+		{"short lease, not expired", 10 * time.Second, 9 * time.Second, false},
+		{"short lease, expired", 10 * time.Second, 11 * time.Second, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			store := NewMemoryStore()
+			lease := tt.lease
+			if lease == 0 {
+				lease = DefaultLease
+			}
+			// A claim made as a handler would that then crashed, leaving
+			// its record in progress.
+			crashedKey, crashedToken := Key{Key: "k"}, "crashed-token"
+			res, err := store.Claim(t.Context(), Claim{
+				Key: crashedKey, Fingerprint: fingerprint(http.MethodPost, "/x", "", []byte("b")),
+				Token: crashedToken, Now: clock.Now(), LeaseExpires: clock.Now().Add(lease),
+			})
+			require.NoError(t, err)
+			require.True(t, res.Claimed)
+
+			h := &countingHandler{}
+			mw := Middleware(store, WithClock(clock.Now), WithLease(tt.lease))(h)
+			clock.Advance(tt.elapsed)
+			w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			if !tt.takeOver {
+				decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+				assert.Zero(t, h.calls.Load())
+				return
+			}
+			assert.Equal(t, http.StatusCreated, w.Code)
+			assert.EqualValues(t, 1, h.calls.Load())
+			// The crashed holder has lost its lease.
+			assert.ErrorIs(t, store.Complete(t.Context(), crashedKey, crashedToken, &Response{Status: 200}, clock.Now()), ErrLeaseLost)
+			assert.ErrorIs(t, store.Release(t.Context(), crashedKey, crashedToken), ErrLeaseLost)
+			again := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, "true", again.Header().Get(ReplayedHeader))
+		})
+	}
+}

@@ -1,0 +1,249 @@
+package idemserver
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httptrace"
+	"net/textproto"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestReplayedHeaders(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		field    string
+		value    string
+		opts     []Option
+		replayed bool
+	}{
+		{"ordinary field", "X-Order", "1", nil, true},
+		{"content type", "Content-Type", "application/json", nil, true},
+		{"location", "Location", "/orders/1", nil, true},
+		{"connection", "Connection", "X-Conn-Named", nil, false},
+		{"keep-alive", "Keep-Alive", "timeout=5", nil, false},
+		{"proxy-authenticate", "Proxy-Authenticate", "Basic", nil, false},
+		{"proxy-connection", "Proxy-Connection", "keep-alive", nil, false},
+		{"te", "Te", "trailers", nil, false},
+		{"trailer", "Trailer", "X-Checksum", nil, false},
+		{"transfer-encoding", "Transfer-Encoding", "gzip", nil, false},
+		{"upgrade", "Upgrade", "h2c", nil, false},
+		{"named in connection", "X-Conn-Named", "secret", nil, false},
+		{"set-cookie", "Set-Cookie", "session=abc", nil, false},
+		{"set-cookie allowed", "Set-Cookie", "session=abc", []Option{WithReplayedHeaders("set-cookie")}, true},
+		{"hop-by-hop never allowed", "Keep-Alive", "timeout=5", []Option{WithReplayedHeaders("Keep-Alive")}, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			mw := Middleware(nil, tt.opts...)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set(tt.field, tt.value)
+				if tt.field == "X-Conn-Named" {
+					w.Header().Set("Connection", "X-Conn-Named")
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			first := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			require.Equal(t, tt.value, first.Header().Get(tt.field), "the first response is untouched")
+			replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			require.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+			if tt.replayed {
+				assert.Equal(t, tt.value, replay.Header().Get(tt.field))
+			} else {
+				assert.Empty(t, replay.Header().Values(tt.field))
+			}
+		})
+	}
+}
+
+func TestReplayableIsCaseInsensitive(t *testing.T) {
+	h := http.Header{"connection": {"close, x-named"}, "X-Named": {"1"}, "keep-alive": {"1"}, "x-kept": {"1"}}
+	got := replayable(h, nil)
+	assert.Equal(t, http.Header{"x-kept": {"1"}}, got)
+}
+
+func TestReplayDoesNotShareStoredValues(t *testing.T) {
+	mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Vary", "Accept")
+		w.WriteHeader(http.StatusCreated)
+	}))
+	serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	// A layer around the middleware adds to the replayed header.
+	outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Add("Vary", "Origin")
+		mw.ServeHTTP(w, r)
+		w.Header().Add("Vary", "Cookie")
+	})
+	for range 2 {
+		w := serve(outer, newRequest(http.MethodPost, "/x", "k", "b"))
+		assert.Equal(t, []string{"Accept"}, w.Header().Values("Vary")[:1])
+	}
+	w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, []string{"Accept"}, w.Header().Values("Vary"))
+}
+
+// flushRecorder is a ResponseRecorder that reports each flush.
+type flushRecorder struct {
+	*httptest.ResponseRecorder
+	flushes     int
+	bodyAtFlush []string
+}
+
+func (f *flushRecorder) Flush() {
+	f.flushes++
+	f.bodyAtFlush = append(f.bodyAtFlush, f.Body.String())
+	f.ResponseRecorder.Flush()
+}
+
+func TestFlushStreamsAndStillStores(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		flush func(w http.ResponseWriter) error
+	}{
+		{"http.Flusher", func(w http.ResponseWriter) error { w.(http.Flusher).Flush(); return nil }},
+		{"ResponseController", func(w http.ResponseWriter) error { return http.NewResponseController(w).Flush() }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var flushErr error
+			mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				_, _ = io.WriteString(w, "event 1\n")
+				flushErr = tt.flush(w)
+				_, _ = io.WriteString(w, "event 2\n")
+			}))
+			w := &flushRecorder{ResponseRecorder: httptest.NewRecorder()}
+			mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
+			require.NoError(t, flushErr)
+			assert.Equal(t, []string{"event 1\n"}, w.bodyAtFlush, "the flush reaches the client")
+			assert.Equal(t, "event 1\nevent 2\n", w.Body.String())
+
+			replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+			assert.Equal(t, "event 1\nevent 2\n", replay.Body.String())
+			assert.Equal(t, "text/event-stream", replay.Header().Get("Content-Type"))
+		})
+	}
+}
+
+func TestResponseIsHeldUntilStored(t *testing.T) {
+	var w *flushRecorder
+	store := newStubStore()
+	var wroteBeforeComplete bool
+	store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+		wroteBeforeComplete = w.Body.Len() > 0 || w.Code != http.StatusOK || w.flushes > 0
+		return store.MemoryStore.Complete(ctx, k, token, resp, exp)
+	}
+	mw := Middleware(store)(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		rw.WriteHeader(http.StatusAccepted)
+		_, _ = io.WriteString(rw, "accepted")
+	}))
+	w = &flushRecorder{ResponseRecorder: httptest.NewRecorder()}
+	mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.False(t, wroteBeforeComplete, "the client saw the response before it was stored")
+	assert.Equal(t, http.StatusAccepted, w.Code)
+	assert.Equal(t, "accepted", w.Body.String())
+	assert.Equal(t, "8", w.Header().Get("Content-Length"))
+}
+
+// hijackRecorder is a ResponseRecorder whose connection could be hijacked.
+type hijackRecorder struct {
+	*httptest.ResponseRecorder
+	hijacked bool
+}
+
+func (h *hijackRecorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	h.hijacked = true
+	return nil, nil, errors.New("test hijack")
+}
+
+func TestHijackIsRefused(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		hijack func(w http.ResponseWriter) error
+	}{
+		{"http.Hijacker", func(w http.ResponseWriter) error { _, _, err := w.(http.Hijacker).Hijack(); return err }},
+		{"ResponseController", func(w http.ResponseWriter) error { _, _, err := http.NewResponseController(w).Hijack(); return err }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var err error
+			mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				err = tt.hijack(w)
+				w.WriteHeader(http.StatusCreated)
+			}))
+			w := &hijackRecorder{ResponseRecorder: httptest.NewRecorder()}
+			mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.ErrorIs(t, err, http.ErrNotSupported)
+			assert.False(t, w.hijacked, "the client's connection was reached")
+			assert.Equal(t, http.StatusCreated, w.Code)
+		})
+	}
+}
+
+func TestResponseControllerReachesClientWriter(t *testing.T) {
+	var err error
+	mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		err = http.NewResponseController(w).EnableFullDuplex()
+	}))
+	w := &duplexRecorder{ResponseRecorder: httptest.NewRecorder()}
+	mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.NoError(t, err)
+	assert.True(t, w.duplex, "Unwrap leads to the client's writer")
+}
+
+type duplexRecorder struct {
+	*httptest.ResponseRecorder
+	duplex bool
+}
+
+func (d *duplexRecorder) EnableFullDuplex() error { d.duplex = true; return nil }
+
+func TestInformationalResponsePassesThrough(t *testing.T) {
+	mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Link", "</style.css>; rel=preload")
+		w.WriteHeader(http.StatusEarlyHints)
+		w.WriteHeader(http.StatusCreated)
+	}))
+	srv := httptest.NewServer(mw)
+	defer srv.Close()
+	for _, want := range []struct {
+		hints    int
+		replayed string
+	}{{1, ""}, {0, "true"}} {
+		var hints int
+		ctx := httptrace.WithClientTrace(t.Context(), &httptrace.ClientTrace{
+			Got1xxResponse: func(code int, _ textproto.MIMEHeader) error {
+				if code == http.StatusEarlyHints {
+					hints++
+				}
+				return nil
+			},
+		})
+		r, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader("b"))
+		require.NoError(t, err)
+		r.Header.Set(DefaultKeyHeader, "k")
+		resp, err := srv.Client().Do(r)
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		assert.Equal(t, http.StatusCreated, resp.StatusCode, "the final status is stored, not the 103")
+		assert.Equal(t, want.hints, hints, "early hints reach the client of the first request only")
+		assert.Equal(t, want.replayed, resp.Header.Get(ReplayedHeader))
+	}
+	srv.CloseClientConnections()
+}
+
+func TestHandlerWritingNothingStores200(t *testing.T) {
+	mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, http.StatusOK, w.Code)
+	replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, http.StatusOK, replay.Code)
+	assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+	assert.Equal(t, "0", replay.Header().Get("Content-Length"))
+}
