@@ -174,8 +174,10 @@ func TestStoreFailure(t *testing.T) {
 		outcome Outcome
 	}{
 		{
-			name:  "claim fails",
-			setup: func(_ *testing.T, s *stubStore) { s.claim = func(context.Context, Claim) (ClaimResult, error) { return ClaimResult{}, errDown } },
+			name: "claim fails",
+			setup: func(_ *testing.T, s *stubStore) {
+				s.claim = func(context.Context, Claim) (ClaimResult, error) { return ClaimResult{}, errDown }
+			},
 			status: http.StatusServiceUnavailable, outcome: OutcomeUnavailable,
 		},
 		{
@@ -187,8 +189,10 @@ func TestStoreFailure(t *testing.T) {
 			status: http.StatusServiceUnavailable, outcome: OutcomeUnavailable,
 		},
 		{
-			name:  "context ends before claim",
-			setup: func(_ *testing.T, s *stubStore) { s.claim = func(context.Context, Claim) (ClaimResult, error) { return ClaimResult{}, context.Canceled } },
+			name: "context ends before claim",
+			setup: func(_ *testing.T, s *stubStore) {
+				s.claim = func(context.Context, Claim) (ClaimResult, error) { return ClaimResult{}, context.Canceled }
+			},
 			status: http.StatusServiceUnavailable, outcome: OutcomeUnavailable,
 		},
 		{

@@ -1,0 +1,258 @@
+package idemserver
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func testClaim(key string, now time.Time) Claim {
+	return Claim{Key: Key{Key: key}, Token: "token-" + key, Now: now, LeaseExpires: now.Add(time.Minute)}
+}
+
+func TestMemoryStoreLifecycle(t *testing.T) {
+	ctx := t.Context()
+	now := newFakeClock().Now()
+	for _, tt := range []struct {
+		name string
+		run  func(t *testing.T, s *MemoryStore)
+	}{
+		{"claim, then the key is in progress", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			res, err := s.Claim(ctx, c)
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+			res, err = s.Claim(ctx, Claim{Key: c.Key, Token: "other", Now: now})
+			require.NoError(t, err)
+			assert.False(t, res.Claimed)
+			assert.False(t, res.Record.Completed())
+			assert.Equal(t, c.Token, res.Record.Token)
+			assert.Equal(t, c.LeaseExpires, res.Record.LeaseExpires)
+		}},
+		{"complete, then the key replays", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			resp := &Response{Status: 201, Body: []byte("x")}
+			require.NoError(t, s.Complete(ctx, c.Key, c.Token, resp, now.Add(time.Hour)))
+			res, err := s.Claim(ctx, Claim{Key: c.Key, Token: "other", Now: now.Add(time.Hour - 1)})
+			require.NoError(t, err)
+			assert.False(t, res.Claimed)
+			assert.Same(t, resp, res.Record.Response)
+			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, resp, now), ErrLeaseLost, "completing twice")
+			assert.ErrorIs(t, s.Release(ctx, c.Key, c.Token), ErrLeaseLost, "releasing a completed key")
+		}},
+		{"expired record counts as absent", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, now.Add(time.Hour)))
+			res, err := s.Claim(ctx, testClaim("k", now.Add(time.Hour)))
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+		}},
+		{"release, then the key is free", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			assert.ErrorIs(t, s.Release(ctx, c.Key, "wrong"), ErrLeaseLost)
+			require.NoError(t, s.Release(ctx, c.Key, c.Token))
+			assert.ErrorIs(t, s.Release(ctx, c.Key, c.Token), ErrLeaseLost)
+			res, err := s.Claim(ctx, c)
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+		}},
+		{"complete with a wrong token", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			assert.ErrorIs(t, s.Complete(ctx, c.Key, "wrong", &Response{}, now), ErrLeaseLost)
+			assert.ErrorIs(t, s.Complete(ctx, Key{Key: "absent"}, c.Token, &Response{}, now), ErrLeaseLost)
+		}},
+		{"takeover is a compare-and-set on the token", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			res, err := s.TakeOver(ctx, Claim{Key: c.Key, Token: "late", Now: now}, "not-the-token")
+			require.NoError(t, err)
+			assert.False(t, res.Claimed)
+			assert.Equal(t, c.Token, res.Record.Token)
+			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "new", Now: now}, c.Token)
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "newer", Now: now}, c.Token)
+			require.NoError(t, err)
+			assert.False(t, res.Claimed, "a second takeover of the same lease")
+			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, &Response{}, now), ErrLeaseLost)
+			assert.NoError(t, s.Complete(ctx, c.Key, "new", &Response{}, now.Add(time.Hour)))
+		}},
+		{"takeover of an absent key claims it", func(t *testing.T, s *MemoryStore) {
+			res, err := s.TakeOver(ctx, testClaim("k", now), "gone")
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+		}},
+		{"takeover never replaces a completed record", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, now.Add(time.Hour)))
+			res, err := s.TakeOver(ctx, Claim{Key: c.Key, Token: "new", Now: now}, c.Token)
+			require.NoError(t, err)
+			assert.False(t, res.Claimed)
+			assert.True(t, res.Record.Completed())
+		}},
+		{"scopes are separate", func(t *testing.T, s *MemoryStore) {
+			a := Claim{Key: Key{Scope: "a", Key: "k"}, Token: "a", Now: now}
+			b := Claim{Key: Key{Scope: "b", Key: "k"}, Token: "b", Now: now}
+			ra, err := s.Claim(ctx, a)
+			require.NoError(t, err)
+			rb, err := s.Claim(ctx, b)
+			require.NoError(t, err)
+			assert.True(t, ra.Claimed)
+			assert.True(t, rb.Claimed)
+		}},
+		{"ended context", func(t *testing.T, s *MemoryStore) {
+			cctx, cancel := context.WithCancel(ctx)
+			cancel()
+			_, err := s.Claim(cctx, testClaim("k", now))
+			assert.ErrorIs(t, err, context.Canceled)
+			assert.Zero(t, s.Len())
+		}},
+		{"closed", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			require.NoError(t, s.Close())
+			assert.Zero(t, s.Len())
+			_, err := s.Claim(ctx, c)
+			assert.ErrorIs(t, err, ErrClosed)
+			_, err = s.TakeOver(ctx, c, c.Token)
+			assert.ErrorIs(t, err, ErrClosed)
+			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, &Response{}, now), ErrClosed)
+			assert.ErrorIs(t, s.Release(ctx, c.Key, c.Token), ErrClosed)
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Run("new", func(t *testing.T) { tt.run(t, NewMemoryStore()) })
+			t.Run("zero value", func(t *testing.T) { tt.run(t, &MemoryStore{}) })
+		})
+	}
+}
+
+func TestMemoryStoreEviction(t *testing.T) {
+	ctx := t.Context()
+	now := newFakeClock().Now()
+	// One shard of three records makes the order of eviction visible.
+	newStore := func() *MemoryStore { return NewMemoryStore(WithShards(1), WithMaxEntries(3)) }
+	complete := func(t *testing.T, s *MemoryStore, key string, expires time.Time) {
+		c := testClaim(key, now)
+		res, err := s.Claim(ctx, c)
+		require.NoError(t, err)
+		require.True(t, res.Claimed)
+		require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, expires))
+	}
+	present := func(s *MemoryStore, key string) bool {
+		sh := s.shard(Key{Key: key})
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		return sh.records[Key{Key: key}] != nil
+	}
+
+	t.Run("expired records go first, all of them", func(t *testing.T) {
+		s := newStore()
+		complete(t, s, "a", now.Add(time.Minute))
+		complete(t, s, "b", now.Add(2*time.Minute))
+		complete(t, s, "c", now.Add(time.Hour))
+		res, err := s.Claim(ctx, testClaim("d", now.Add(3*time.Minute)))
+		require.NoError(t, err)
+		assert.True(t, res.Claimed)
+		assert.False(t, present(s, "a"))
+		assert.False(t, present(s, "b"))
+		assert.True(t, present(s, "c"))
+		assert.Equal(t, 2, s.Len())
+	})
+	t.Run("then the oldest completed", func(t *testing.T) {
+		s := newStore()
+		complete(t, s, "a", now.Add(time.Hour))
+		complete(t, s, "b", now.Add(time.Hour))
+		_, err := s.Claim(ctx, testClaim("c", now)) // in progress
+		require.NoError(t, err)
+		for _, key := range []string{"d", "e"} {
+			res, err := s.Claim(ctx, testClaim(key, now))
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+		}
+		assert.False(t, present(s, "a"))
+		assert.False(t, present(s, "b"))
+		assert.True(t, present(s, "c"), "in progress is kept")
+		assert.Equal(t, 3, s.Len())
+	})
+	t.Run("in progress is never evicted", func(t *testing.T) {
+		s := newStore()
+		for _, key := range []string{"a", "b", "c"} {
+			_, err := s.Claim(ctx, testClaim(key, now))
+			require.NoError(t, err)
+		}
+		_, err := s.Claim(ctx, testClaim("d", now.Add(time.Hour)))
+		assert.ErrorIs(t, err, ErrStoreFull)
+		assert.Equal(t, 3, s.Len())
+		// Releasing one makes room again.
+		require.NoError(t, s.Release(ctx, Key{Key: "a"}, "token-a"))
+		res, err := s.Claim(ctx, testClaim("d", now))
+		require.NoError(t, err)
+		assert.True(t, res.Claimed)
+	})
+	t.Run("a full store answers 503", func(t *testing.T) {
+		s := newStore()
+		for _, key := range []string{"a", "b", "c"} {
+			_, err := s.Claim(ctx, testClaim(key, now))
+			require.NoError(t, err)
+		}
+		h := &countingHandler{}
+		w := serve(Middleware(s)(h), newRequest("POST", "/x", "d", "b"))
+		decodeProblem(t, w, ProblemStoreUnavailable, 503)
+		assert.Zero(t, h.calls.Load())
+	})
+}
+
+func TestMemoryStoreBound(t *testing.T) {
+	ctx := t.Context()
+	now := newFakeClock().Now()
+	s := NewMemoryStore(WithShards(4), WithMaxEntries(100))
+	for i := range 1000 {
+		c := testClaim(fmt.Sprint(i), now)
+		res, err := s.Claim(ctx, c)
+		require.NoError(t, err)
+		require.True(t, res.Claimed)
+		require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, now.Add(time.Hour)))
+	}
+	assert.LessOrEqual(t, s.Len(), 100)
+	assert.Greater(t, s.Len(), 50, "evicts one record at a time")
+}
+
+func TestMemoryStoreConcurrentClaims(t *testing.T) {
+	ctx := t.Context()
+	now := newFakeClock().Now()
+	s := NewMemoryStore()
+	const keys, racers = 50, 8
+	var won [keys]atomic.Int32
+	var wg sync.WaitGroup
+	for r := range racers {
+		wg.Go(func() {
+			for k := range keys {
+				c := Claim{Key: Key{Key: fmt.Sprint(k)}, Token: fmt.Sprint(r), Now: now, LeaseExpires: now.Add(time.Minute)}
+				res, err := s.Claim(ctx, c)
+				if !assert.NoError(t, err) {
+					return
+				}
+				if res.Claimed {
+					won[k].Add(1)
+					assert.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, now.Add(time.Hour)))
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for k := range keys {
+		assert.EqualValues(t, 1, won[k].Load(), "key %d", k)
+	}
+}
