@@ -1,10 +1,10 @@
 package idemserver
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
-	"hash"
 )
 
 // A Fingerprint identifies the content of a request: a SHA-256 digest of its
@@ -25,20 +25,25 @@ const fingerprintVersion = "idemserver fingerprint v1"
 // The path is the escaped path and the query the raw query, exactly as the
 // client sent them.
 func fingerprint(method, path, query string, body []byte) Fingerprint {
+	// Small requests are encoded on the stack and hashed in one call.
+	var buf [1024]byte
+	b := appendField(buf[:0], fingerprintVersion)
+	b = appendField(b, method)
+	b = appendField(b, path)
+	b = appendField(b, query)
+	b = binary.BigEndian.AppendUint64(b, uint64(len(body)))
+	if len(b)+len(body) <= len(buf) {
+		return sha256.Sum256(append(b, body...))
+	}
 	h := sha256.New()
-	writeField(h, []byte(fingerprintVersion))
-	writeField(h, []byte(method))
-	writeField(h, []byte(path))
-	writeField(h, []byte(query))
-	writeField(h, body)
+	h.Write(bytes.Clone(b))
+	h.Write(body)
 	var f Fingerprint
 	h.Sum(f[:0])
 	return f
 }
 
-func writeField(h hash.Hash, b []byte) {
-	var n [8]byte
-	binary.BigEndian.PutUint64(n[:], uint64(len(b)))
-	h.Write(n[:])
-	h.Write(b)
+func appendField(b []byte, s string) []byte {
+	b = binary.BigEndian.AppendUint64(b, uint64(len(s)))
+	return append(b, s...)
 }

@@ -132,10 +132,12 @@ type Event struct {
 // handler panicked and its claim was released.
 var ErrHandlerPanicked = errors.New("idemserver: handler panicked")
 
-// Wait-in-flight polling intervals.
+// Wait-in-flight polling intervals, and how many expired leases one
+// request tries to take over before it treats the key as in progress.
 const (
-	firstPoll = 5 * time.Millisecond
-	maxPoll   = 250 * time.Millisecond
+	maxTakeOvers = 4
+	firstPoll    = 5 * time.Millisecond
+	maxPoll      = 250 * time.Millisecond
 )
 
 type handler struct {
@@ -206,6 +208,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	res, err := m.store.Claim(ctx, c)
 	var waited time.Duration
 	poll := firstPoll
+	takeOvers := 0
 	for {
 		switch {
 		case err != nil:
@@ -224,7 +227,8 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			replay(w, res.Record.Response)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReplayed, Status: res.Record.Response.Status})
 			return
-		case !c.Now.Before(res.Record.LeaseExpires):
+		case !c.Now.Before(res.Record.LeaseExpires) && takeOvers < maxTakeOvers:
+			takeOvers++
 			c = newClaim()
 			res, err = m.store.TakeOver(ctx, c, res.Record.Token)
 			continue
@@ -255,7 +259,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	}
 	// The outcome must be recorded even when the client has gone.
 	storeCtx = context.WithoutCancel(storeCtx)
-	rec := &recorder{w: w, limit: m.cfg.maxResponse}
+	rec := &recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders}
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on
@@ -269,11 +273,12 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 
 	if rec.status >= http.StatusInternalServerError {
 		err := m.store.Release(storeCtx, key, token)
-		rec.deliver()
+		rec.deliver(nil)
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err})
 		return
 	}
-	err := m.store.Complete(storeCtx, key, token, rec.response(m.cfg.replayHeaders), m.cfg.now().Add(m.cfg.ttl))
+	resp := rec.response()
+	err := m.store.Complete(storeCtx, key, token, resp, m.cfg.now().Add(m.cfg.ttl))
 	if errors.Is(err, ErrRolledBack) && !rec.streaming {
 		clear(w.Header())
 		writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable,
@@ -281,7 +286,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 		return
 	}
-	rec.deliver()
+	rec.deliver(resp)
 	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err})
 }
 

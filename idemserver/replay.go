@@ -27,8 +27,9 @@ const ReplayedHeader = "Idempotent-Replayed"
 type recorder struct {
 	w           http.ResponseWriter
 	limit       int64
+	allow       map[string]bool // fields replayed though withheld by default
 	status      int
-	header      http.Header // snapshot taken when the status was written
+	header      http.Header // replayable fields when the status was written
 	body        []byte
 	wroteHeader bool
 	streaming   bool // status and headers have gone to the client
@@ -55,7 +56,9 @@ func (c *recorder) WriteHeader(code int) {
 	}
 	c.wroteHeader = true
 	c.status = code
-	c.header = c.w.Header().Clone()
+	if code < http.StatusInternalServerError { // a 5xx is released, not stored
+		c.header = replayable(c.w.Header(), c.allow)
+	}
 }
 
 // Write records p, or passes it through once the response is streaming.
@@ -134,14 +137,20 @@ func (c *recorder) finish() {
 	}
 }
 
-// deliver sends a response that has not been let through yet.
-func (c *recorder) deliver() {
+// deliver sends a response that has not been let through yet. stored, if
+// not nil, is the stored form of the response, whose Content-Length it
+// reuses.
+func (c *recorder) deliver(stored *Response) {
 	if c.streaming {
 		return
 	}
 	h := c.w.Header()
 	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
-		h["Content-Length"] = []string{strconv.Itoa(len(c.body))}
+		if cl := stored.contentLength(); cl != nil {
+			h["Content-Length"] = cl
+		} else {
+			h["Content-Length"] = []string{strconv.Itoa(len(c.body))}
+		}
 	}
 	c.w.WriteHeader(c.status)
 	if len(c.body) > 0 {
@@ -150,16 +159,20 @@ func (c *recorder) deliver() {
 }
 
 // response returns what the recorder holds as a Response to store.
-func (c *recorder) response(allow map[string]bool) *Response {
+func (c *recorder) response() *Response {
 	if c.tooLarge {
 		return &Response{Status: c.status, BodyOmitted: true}
 	}
-	return &Response{Status: c.status, Header: replayable(c.header, allow), Body: c.body}
+	h := c.header
+	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
+		h["Content-Length"] = []string{strconv.Itoa(len(c.body))}
+	}
+	return &Response{Status: c.status, Header: h, Body: c.body}
 }
 
-// replayable deletes from h, and returns, the fields that must not be
+// replayable returns a copy of h without the fields that must not be
 // replayed: hop-by-hop fields, those named in Connection, trailers, and
-// Set-Cookie unless allow names it.
+// Set-Cookie unless allow names it. The copy's values share one array.
 func replayable(h http.Header, allow map[string]bool) http.Header {
 	var named map[string]bool
 	for k, vs := range h {
@@ -177,14 +190,38 @@ func replayable(h http.Header, allow map[string]bool) http.Header {
 			}
 		}
 	}
-	for k := range h {
+	drop := func(k string) bool {
 		ck := textproto.CanonicalMIMEHeaderKey(k)
-		if hopByHop(ck) || named[ck] || strings.HasPrefix(k, http.TrailerPrefix) ||
-			ck == ReplayedHeader || (ck == "Set-Cookie" && !allow[ck]) {
-			delete(h, k)
+		return hopByHop(ck) || named[ck] || strings.HasPrefix(k, http.TrailerPrefix) ||
+			ck == ReplayedHeader || (ck == "Set-Cookie" && !allow[ck])
+	}
+	keys, values := 0, 0
+	for k, vs := range h {
+		if !drop(k) {
+			keys++
+			values += len(vs)
 		}
 	}
-	return h
+	out := make(http.Header, keys)
+	all := make([]string, values)
+	for k, vs := range h {
+		if !drop(k) {
+			n := copy(all, vs)
+			out[k] = all[:n:n]
+			all = all[n:]
+		}
+	}
+	return out
+}
+
+// contentLength returns the stored Content-Length values, capped so that an
+// append cannot write into the record; nil if there are none.
+func (r *Response) contentLength() []string {
+	if r == nil || r.Header == nil {
+		return nil
+	}
+	v := r.Header["Content-Length"]
+	return v[:len(v):len(v)]
 }
 
 func hopByHop(k string) bool {
