@@ -10,21 +10,30 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 ROUNDS=${ROUNDS:-3} DUR=${DUR:-10s} C=${C:-16} WORK=${WORK:-0s}
-bin=$(mktemp -d)/idemload
+dir=$(mktemp -d)
+bin=$dir/idemload
 go build -o "$bin" ./cmd/idemload
-pin() { if command -v taskset >/dev/null; then taskset -c "$1" "${@:2}"; else "${@:2}"; fi; }
+# taskset pins a process to one core; without it the processes float.
+pin=()
+command -v taskset >/dev/null && pin=(taskset -c)
+on() { if [ ${#pin[@]} -gt 0 ]; then echo "${pin[@]} $1"; fi; }
 
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-GOMAXPROCS=1 pin 0 "$bin" serve -addr 127.0.0.1:18181 -mode bare -work "$WORK" & pids+=($!)
-GOMAXPROCS=1 pin 0 "$bin" serve -addr 127.0.0.1:18182 -mode idem -work "$WORK" & pids+=($!)
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$dir"' EXIT
+for port in 18181 18182; do
+  if (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null; then
+    echo "port $port is taken; stop what listens there first" >&2; exit 1
+  fi
+done
+GOMAXPROCS=1 $(on 0) "$bin" serve -addr 127.0.0.1:18181 -mode bare -work "$WORK" & pids+=($!)
+GOMAXPROCS=1 $(on 0) "$bin" serve -addr 127.0.0.1:18182 -mode idem -work "$WORK" & pids+=($!)
 for port in 18181 18182; do
   until (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null; do sleep 0.1; done
 done
 
 for round in $(seq "$ROUNDS"); do
-  for run in "bare 18181 none" "idem-new 18182 new" "idem-replay 18182 replay" "idem-unkeyed 18182 none"; do
+  for run in "bare 18181 none" "idem-unkeyed 18182 none" "idem-replay 18182 replay" "idem-new 18182 new"; do
     set -- $run
-    GOMAXPROCS=1 pin 1 "$bin" hit -url "http://127.0.0.1:$2/charges" -keys "$3" -c "$C" -d "$DUR" -label "$1"
+    GOMAXPROCS=1 $(on 1) "$bin" hit -url "http://127.0.0.1:$2/charges" -keys "$3" -c "$C" -d "$DUR" -label "$1"
   done
 done

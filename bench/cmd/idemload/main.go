@@ -28,10 +28,13 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/idemhttp/idemhttp/idemserver"
@@ -59,7 +62,21 @@ func serve(args []string) {
 	addr := fs.String("addr", "127.0.0.1:8181", "listen address")
 	mode := fs.String("mode", "bare", "bare or idem")
 	work := fs.Duration("work", 0, "time the handler spends waiting, as on a database call")
+	profile := fs.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	_ = fs.Parse(args)
+	if *profile != "" {
+		f, err := os.Create(*profile)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			log.Fatal(err)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			_ = f.Close()
+		}()
+	}
 
 	var h http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
@@ -73,13 +90,31 @@ func serve(args []string) {
 	switch *mode {
 	case "bare":
 	case "idem":
-		store := idemserver.NewMemoryStore(idemserver.WithMaxEntries(1 << 20))
+		store := idemserver.NewMemoryStore()
 		defer store.Close()
 		h = idemserver.Middleware(store)(h)
 	default:
 		log.Fatalf("idemload: unknown mode %q", *mode)
 	}
-	srv := &http.Server{Addr: *addr, Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	// /stats reports the requests served and the CPU time the process has
+	// used, so that the client can work out the server's CPU per request,
+	// which other load on the machine disturbs far less than throughput.
+	var served atomic.Int64
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /stats", func(w http.ResponseWriter, r *http.Request) {
+		var ru syscall.Rusage
+		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		cpu := time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		fmt.Fprintf(w, "%d %d\n", served.Load(), cpu.Nanoseconds())
+	})
+	mux.Handle("/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		served.Add(1)
+		h.ServeHTTP(w, r)
+	}))
+	srv := &http.Server{Addr: *addr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	go func() {
@@ -87,7 +122,7 @@ func serve(args []string) {
 		_ = srv.Shutdown(context.Background())
 	}()
 	if err := srv.ListenAndServe(); err != http.ErrServerClosed {
-		log.Fatal(err)
+		log.Print(err)
 	}
 }
 
@@ -116,6 +151,12 @@ func hit(args []string) {
 		errs   int
 	}
 	results := make([]result, *conc)
+	statsURL := strings.TrimSuffix(*url, "/charges") + "/stats"
+	before := make(chan stats, 1)
+	go func() {
+		time.Sleep(time.Until(start))
+		before <- readStats(client, statsURL)
+	}()
 	var wg sync.WaitGroup
 	for w := range *conc {
 		wg.Go(func() {
@@ -153,6 +194,12 @@ func hit(args []string) {
 		})
 	}
 	wg.Wait()
+	after := readStats(client, statsURL)
+	b := <-before
+	cpuPerReq := time.Duration(0)
+	if n := after.requests - b.requests; n > 0 {
+		cpuPerReq = (after.cpu - b.cpu) / time.Duration(n)
+	}
 
 	var lat []time.Duration
 	status := map[int]int{}
@@ -171,7 +218,31 @@ func hit(args []string) {
 		}
 		return lat[int(p*float64(len(lat)-1))]
 	}
-	fmt.Printf("%-12s keys=%-6s c=%d req/s=%8.0f p50=%v p99=%v statuses=%v errors=%d\n",
-		*label, *keys, *conc, float64(len(lat))/dur.Seconds(), pct(0.50).Round(time.Microsecond),
-		pct(0.99).Round(time.Microsecond), status, errs)
+	perCore := 0.0
+	if cpuPerReq > 0 {
+		perCore = float64(time.Second) / float64(cpuPerReq)
+	}
+	fmt.Printf("%-12s keys=%-6s c=%d req/s=%7.0f server-cpu/req=%6.2fµs req/s-per-server-core=%7.0f p50=%v p99=%v statuses=%v errors=%d\n",
+		*label, *keys, *conc, float64(len(lat))/dur.Seconds(), float64(cpuPerReq)/1e3, perCore,
+		pct(0.50).Round(time.Microsecond), pct(0.99).Round(time.Microsecond), status, errs)
+}
+
+type stats struct {
+	requests int64
+	cpu      time.Duration
+}
+
+func readStats(c *http.Client, url string) stats {
+	resp, err := c.Get(url)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var s stats
+	var ns int64
+	if _, err := fmt.Fscan(resp.Body, &s.requests, &ns); err != nil {
+		log.Fatalf("idemload: reading %s: %v", url, err)
+	}
+	s.cpu = time.Duration(ns)
+	return s
 }
