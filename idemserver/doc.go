@@ -17,7 +17,8 @@
 //
 // Only outcomes that are final are kept. A status of 500 or more, or a
 // panic, releases the claim, so the retry that the client will make runs the
-// handler again. A handler that dies without either (the process crashed)
+// handler again; so do 408, 425 and 429, which ask the client to send the
+// request again. A handler that dies without either (the process crashed)
 // leaves its claim in progress until the lease expires; then the next
 // request with the key takes it over. When the store itself cannot be
 // reached the middleware fails closed: 503 with Retry-After, and the handler

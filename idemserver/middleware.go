@@ -25,7 +25,10 @@ import (
 //     [WithMaxResponseBytes] and Flush below), and a status below 500 is
 //     stored for [WithTTL] before the client gets it. A status of 500 or
 //     more, or a panic, releases the claim instead, so a retry runs the
-//     handler again; the panic continues after the release.
+//     handler again; the panic continues after the release. So do 408,
+//     425 and 429, the statuses below 500 that say the request was not
+//     processed and should be sent again: storing them would answer every
+//     retry with the same refusal.
 //   - Completed with the same fingerprint: the stored status, header fields
 //     and body are replayed with Idempotent-Replayed: true, and the handler
 //     does not run.
@@ -77,7 +80,8 @@ const (
 	OutcomeUnavailable
 	// OutcomeExecuted: the handler ran and its response was stored.
 	OutcomeExecuted
-	// OutcomeReleased: the handler ran, answered 5xx or panicked, and the
+	// OutcomeReleased: the handler ran, answered 5xx (or 408, 425 or
+	// 429) or panicked, and the
 	// claim was released.
 	OutcomeReleased
 	// OutcomeReplayed: a stored response was replayed.
@@ -271,7 +275,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	returned = true
 	rec.finish()
 
-	if rec.status >= http.StatusInternalServerError {
+	if released(rec.status) {
 		err := m.store.Release(storeCtx, key, token)
 		rec.deliver(nil)
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err})
@@ -288,6 +292,17 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	}
 	rec.deliver(resp)
 	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err})
+}
+
+// released reports whether a response with status ends its claim with a
+// release rather than being stored: a server error, or a refusal that
+// invites the client to send the same request again.
+func released(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+		return true
+	}
+	return status >= http.StatusInternalServerError
 }
 
 func (m *handler) reject(w http.ResponseWriter, r *http.Request, key Key, typ string, status int, detail string) {

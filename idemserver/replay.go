@@ -56,7 +56,7 @@ func (c *recorder) WriteHeader(code int) {
 	}
 	c.wroteHeader = true
 	c.status = code
-	if code < http.StatusInternalServerError { // a 5xx is released, not stored
+	if !released(code) {
 		c.header = replayable(c.w.Header(), c.allow)
 	}
 }
