@@ -3,8 +3,11 @@
 //
 // The server drops connections, answers 503 and 429 with Retry-After, and
 // sometimes charges the card but loses the response, the case that makes
-// blind retries dangerous. Its ledger records every charge it executes, by
-// idempotency key, so the table shows what really happened on the server.
+// blind retries dangerous. Its payment handler sits behind
+// idemserver.Middleware, which runs it once per idempotency key and replays
+// the outcome to retries. The handler's ledger records every charge it
+// executes, by key, so the table shows what really happened on the server,
+// down to the count of duplicate charges.
 //
 //	go run ./examples/quickstart
 package main
@@ -24,6 +27,7 @@ import (
 	"time"
 
 	"github.com/idemhttp/idemhttp"
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 func main() {
@@ -39,7 +43,10 @@ func main() {
 
 func run(out io.Writer, payments, workers int, seed uint64) error {
 	ledger := newLedger()
-	srv := httptest.NewServer(flaky(ledger, seed))
+	store := idemserver.NewMemoryStore()
+	defer store.Close()
+	dedup := idemserver.Middleware(store, idemserver.RequireKey())
+	srv := httptest.NewServer(flaky(dedup(ledger), seed))
 	defer srv.Close()
 
 	var mu sync.Mutex
@@ -109,6 +116,9 @@ func pay(client *http.Client, url, op string) string {
 	}
 	defer resp.Body.Close()
 	_, _ = io.Copy(io.Discard, resp.Body)
+	if resp.Header.Get(idemserver.ReplayedHeader) == "true" {
+		return resp.Status + " (replayed)"
+	}
 	return resp.Status
 }
 
@@ -129,12 +139,13 @@ func report(out io.Writer, ops []string, results map[string]*result, l *ledger, 
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintf(out, "\noperations: %d  attempts: %d  retries: %d  succeeded: %d  charges: %d  duplicates: %d  (%v)\n",
-		len(ops), attempts, attempts-len(ops), succeeded, l.total(), duplicates, elapsed.Round(time.Millisecond))
+	_, err := fmt.Fprintf(out, "\noperations: %d  attempts: %d  retries: %d  succeeded: %d  time: %v  charges: %d  duplicates: %d\n",
+		len(ops), attempts, attempts-len(ops), succeeded, elapsed.Round(time.Millisecond), l.total(), duplicates)
 	return err
 }
 
-// ledger is the server's record of the charges it executed, by key.
+// ledger is the payment handler: it charges the card and records every
+// charge it executes, by idempotency key.
 type ledger struct {
 	mu      sync.Mutex
 	charges map[string]int
@@ -142,10 +153,14 @@ type ledger struct {
 
 func newLedger() *ledger { return &ledger{charges: make(map[string]int)} }
 
-func (l *ledger) charge(key string) {
+func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	_, _ = io.Copy(io.Discard, r.Body)
 	l.mu.Lock()
-	l.charges[key]++
+	l.charges[r.Header.Get("Idempotency-Key")]++
 	l.mu.Unlock()
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, `{"charged":100}`)
 }
 
 func (l *ledger) count(key string) int {
@@ -164,9 +179,10 @@ func (l *ledger) total() int {
 	return n
 }
 
-// flaky is a payment handler that misbehaves on purpose, with faults drawn
-// from a seeded source so a run can be repeated.
-func flaky(l *ledger, seed uint64) http.Handler {
+// flaky stands for an unreliable network and an overloaded server in front
+// of the payment handler next, with faults drawn from a seeded source so a
+// run can be repeated.
+func flaky(next http.Handler, seed uint64) http.Handler {
 	var mu sync.Mutex
 	rng := rand.New(rand.NewPCG(seed, seed))
 	roll := func() float64 {
@@ -175,8 +191,6 @@ func flaky(l *ledger, seed uint64) http.Handler {
 		return rng.Float64()
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.Copy(io.Discard, r.Body)
-		key := r.Header.Get("Idempotency-Key")
 		switch p := roll(); {
 		case p < 0.10: // the connection drops before the charge
 			hangUp(w)
@@ -186,12 +200,10 @@ func flaky(l *ledger, seed uint64) http.Handler {
 			w.Header().Set("Retry-After", "1")
 			http.Error(w, "slow down", http.StatusTooManyRequests)
 		case p < 0.40: // the card is charged, then the response is lost
-			l.charge(key)
+			next.ServeHTTP(httptest.NewRecorder(), r)
 			hangUp(w)
 		default:
-			l.charge(key)
-			w.WriteHeader(http.StatusCreated)
-			fmt.Fprintf(w, `{"charged":100}`)
+			next.ServeHTTP(w, r)
 		}
 	})
 }

@@ -35,4 +35,14 @@ func TestQuickstartReportsEveryOperation(t *testing.T) {
 	retries, _ := strconv.Atoi(summary[3])
 	assert.Equal(t, 12, ops)
 	assert.Equal(t, attempts-ops, retries)
+
+	// The server's own ledger shows no operation charged twice: at most one
+	// charge per operation, and one for every payment that succeeded (a
+	// payment whose retries ran out may have been charged all the same).
+	ledger := regexp.MustCompile(`succeeded: (\d+)  time: \S+  charges: (\d+)  duplicates: 0$`).FindStringSubmatch(lines[len(lines)-1])
+	require.NotNil(t, ledger, "the table ends with duplicates: 0: %s", out.String())
+	succeeded, _ := strconv.Atoi(ledger[1])
+	charges, _ := strconv.Atoi(ledger[2])
+	assert.GreaterOrEqual(t, charges, succeeded)
+	assert.LessOrEqual(t, charges, ops)
 }
