@@ -29,40 +29,55 @@ var benchHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request)
 	_, _ = io.WriteString(w, `{"id":"ch_1","status":"succeeded","amount":1999}`)
 })
 
+// BenchmarkMiddleware compares a request through the bare handler with one
+// through the middleware with a new key (claim, run, store) and with a key
+// already completed (replay). Compare the paths with
+//
+//	benchstat -col /path
 func BenchmarkMiddleware(b *testing.B) {
-	for _, bm := range []struct {
-		name   string
-		h      http.Handler
-		newKey bool
-	}{
-		{"bare", benchHandler, true},
-		{"new-key", Middleware(nil)(benchHandler), true},
-		{"replay", Middleware(nil)(benchHandler), false},
-	} {
-		b.Run(bm.name, func(b *testing.B) {
-			var workers atomic.Int64
-			b.ReportAllocs()
-			b.RunParallel(func(pb *testing.PB) {
-				r := httptest.NewRequest(http.MethodPost, "/charges?expand=customer", nil)
-				w := &discardWriter{h: http.Header{}}
-				body := strings.NewReader(benchBody)
-				r.ContentLength = int64(len(benchBody))
-				keyBuf := strconv.AppendInt([]byte("bench-"), workers.Add(1), 10)
-				keyBuf = append(keyBuf, '-')
-				n := 0
-				for pb.Next() {
-					body.Reset(benchBody)
-					r.Body = io.NopCloser(body)
-					key := "replayed-key"
-					if bm.newKey {
-						n++
-						key = string(strconv.AppendInt(keyBuf, int64(n), 10))
+	for _, parallel := range []bool{false, true} {
+		for _, bm := range []struct {
+			name   string
+			h      http.Handler
+			newKey bool
+		}{
+			{"bare", benchHandler, true},
+			{"new-key", Middleware(nil)(benchHandler), true},
+			{"replay", Middleware(nil)(benchHandler), false},
+		} {
+			name := "path=" + bm.name
+			if parallel {
+				name = "parallel/" + name
+			}
+			b.Run(name, func(b *testing.B) {
+				var workers atomic.Int64
+				// worker sends requests with its own keys until more is false.
+				worker := func(more func() bool) {
+					r := httptest.NewRequest(http.MethodPost, "/charges?expand=customer", nil)
+					w := &discardWriter{h: http.Header{}}
+					body := strings.NewReader(benchBody)
+					r.ContentLength = int64(len(benchBody))
+					keyBuf := strconv.AppendInt([]byte("bench-"), workers.Add(1), 10)
+					keyBuf = append(keyBuf, '-')
+					for n := 0; more(); n++ {
+						body.Reset(benchBody)
+						r.Body = io.NopCloser(body)
+						key := "replayed-key"
+						if bm.newKey {
+							key = string(strconv.AppendInt(keyBuf, int64(n), 10))
+						}
+						r.Header[DefaultKeyHeader] = []string{key}
+						clear(w.h)
+						bm.h.ServeHTTP(w, r)
 					}
-					r.Header[DefaultKeyHeader] = []string{key}
-					clear(w.h)
-					bm.h.ServeHTTP(w, r)
+				}
+				b.ReportAllocs()
+				if parallel {
+					b.RunParallel(func(pb *testing.PB) { worker(pb.Next) })
+				} else {
+					worker(b.Loop)
 				}
 			})
-		})
+		}
 	}
 }

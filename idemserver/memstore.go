@@ -170,6 +170,7 @@ func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp 
 	}
 	e.rec.Response = resp
 	e.rec.Expires = expires
+	e.rec.Token = "" // a completed record has no lease
 	sh.pushCompleted(e)
 	return nil
 }
