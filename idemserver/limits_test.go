@@ -30,7 +30,8 @@ func TestRequestBodyLimit(t *testing.T) {
 		{"at limit", strings.Repeat("a", limit), false, false},
 		{"over limit", strings.Repeat("a", limit+1), false, true},
 		{"at limit, unknown length", strings.Repeat("a", limit), true, false},
-		{"over limit, unknown length", strings.Repeat("a", 10*limit), true, true},
+		{"one over limit, unknown length", strings.Repeat("a", limit+1), true, true},
+		{"far over limit, unknown length", strings.Repeat("a", 10*limit), true, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var got []byte
