@@ -2,7 +2,9 @@ package idemserver
 
 import (
 	"context"
+	"encoding/binary"
 	"hash/maphash"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,8 +33,11 @@ const (
 // fails with [ErrStoreFull], which the middleware answers with 503.
 //
 // Expiry is lazy: an expired record is removed when it is next claimed or
-// when its room is needed, so the store runs no goroutine. The zero value
-// is an empty store with the default limits, ready to use.
+// when its room is needed, so the store runs no goroutine. Completed
+// responses are kept packed into one pointer-free block each, which the
+// garbage collector does not have to scan, and every Claim that finds one
+// returns a fresh copy. The zero value is an empty store with the default
+// limits, ready to use.
 type MemoryStore struct {
 	once       sync.Once
 	seed       maphash.Seed
@@ -79,9 +84,25 @@ type memShard struct {
 }
 
 type memEntry struct {
-	key        Key
-	rec        Record
+	key Key
+	rec Record // without its Response, which is kept encoded in resp
+	// resp is the encoded response of a completed record, nil while it is
+	// in progress: one pointer-free block per record, which the garbage
+	// collector need not scan, where a Response with its header map would
+	// cost it several objects to mark.
+	resp       []byte
 	prev, next *memEntry
+}
+
+func (e *memEntry) completed() bool { return e.resp != nil }
+
+// record returns the entry's record with its response decoded.
+func (e *memEntry) record() Record {
+	r := e.rec
+	if e.resp != nil {
+		r.Response = decodeResponse(e.resp)
+	}
+	return r
 }
 
 func (s *MemoryStore) init() {
@@ -140,13 +161,13 @@ func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expired
 	fresh := Record{Fingerprint: c.Fingerprint, Token: c.Token, LeaseExpires: c.LeaseExpires}
 	if e := sh.records[c.Key]; e != nil {
 		switch {
-		case e.rec.Completed() && !c.Now.Before(e.rec.Expires):
+		case e.completed() && !c.Now.Before(e.rec.Expires):
 			sh.remove(e)
-		case takeOver && !e.rec.Completed() && e.rec.Token == expiredToken:
+		case takeOver && !e.completed() && e.rec.Token == expiredToken:
 			e.rec = fresh
 			return ClaimResult{Claimed: true}, nil
 		default:
-			return ClaimResult{Record: e.rec}, nil
+			return ClaimResult{Record: e.record()}, nil
 		}
 	}
 	if len(sh.records) >= sh.limit && !sh.evict(c.Now) {
@@ -165,10 +186,10 @@ func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp 
 		return ErrClosed
 	}
 	e := sh.records[key]
-	if e == nil || e.rec.Completed() || e.rec.Token != token {
+	if e == nil || e.completed() || e.rec.Token != token {
 		return ErrLeaseLost
 	}
-	e.rec.Response = resp
+	e.resp = encodeResponse(resp)
 	e.rec.Expires = expires
 	e.rec.Token = "" // a completed record has no lease
 	sh.pushCompleted(e)
@@ -184,7 +205,7 @@ func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error 
 		return ErrClosed
 	}
 	e := sh.records[key]
-	if e == nil || e.rec.Completed() || e.rec.Token != token {
+	if e == nil || e.completed() || e.rec.Token != token {
 		return ErrLeaseLost
 	}
 	delete(sh.records, key)
@@ -262,4 +283,84 @@ func (sh *memShard) remove(e *memEntry) {
 	}
 	e.prev, e.next = nil, nil
 	delete(sh.records, e.key)
+}
+
+// encodeResponse packs resp into one block: the status, a flag, the header
+// fields as length-prefixed strings, and the body.
+func encodeResponse(resp *Response) []byte {
+	size := 3*binary.MaxVarintLen64 + len(resp.Body)
+	for k, vs := range resp.Header {
+		size += 2*binary.MaxVarintLen64 + len(k)
+		for _, v := range vs {
+			size += binary.MaxVarintLen64 + len(v)
+		}
+	}
+	b := make([]byte, 0, size)
+	b = binary.AppendUvarint(b, uint64(resp.Status))
+	omitted := uint64(0)
+	if resp.BodyOmitted {
+		omitted = 1
+	}
+	b = binary.AppendUvarint(b, omitted)
+	b = binary.AppendUvarint(b, uint64(len(resp.Header)))
+	for k, vs := range resp.Header {
+		b = binary.AppendUvarint(b, uint64(len(k)))
+		b = append(b, k...)
+		b = binary.AppendUvarint(b, uint64(len(vs)))
+		for _, v := range vs {
+			b = binary.AppendUvarint(b, uint64(len(v)))
+			b = append(b, v...)
+		}
+	}
+	return append(b, resp.Body...)
+}
+
+// decodeResponse unpacks what encodeResponse packed. The header strings
+// share one allocation; the body is part of b, which is never modified.
+func decodeResponse(b []byte) *Response {
+	i := 0
+	next := func() int {
+		v, n := binary.Uvarint(b[i:])
+		i += n
+		return int(v)
+	}
+	resp := &Response{Status: next(), BodyOmitted: next() == 1}
+	nkeys := next()
+	if nkeys > 0 {
+		// The header section, from here to the body, as one string.
+		start := i
+		values := 0
+		for range nkeys {
+			i += next()
+			nv := next()
+			values += nv
+			for range nv {
+				i += next()
+			}
+		}
+		text := string(b[start:i])
+		all := make([]string, values)
+		resp.Header = make(http.Header, nkeys)
+		i = start
+		str := func() string {
+			n := next()
+			s := text[i-start : i-start+n]
+			i += n
+			return s
+		}
+		for range nkeys {
+			k := str()
+			nv := next()
+			vs := all[:nv:nv]
+			all = all[nv:]
+			for j := range vs {
+				vs[j] = str()
+			}
+			resp.Header[k] = vs
+		}
+	}
+	if i < len(b) {
+		resp.Body = b[i:len(b):len(b)]
+	}
+	return resp
 }

@@ -1,8 +1,10 @@
 package idemserver
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -43,7 +45,7 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 			res, err := s.Claim(ctx, Claim{Key: c.Key, Token: "other", Now: now.Add(time.Hour - 1)})
 			require.NoError(t, err)
 			assert.False(t, res.Claimed)
-			assert.Same(t, resp, res.Record.Response)
+			assert.Equal(t, resp, res.Record.Response)
 			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, resp, now), ErrLeaseLost, "completing twice")
 			assert.ErrorIs(t, s.Release(ctx, c.Key, c.Token), ErrLeaseLost, "releasing a completed key")
 		}},
@@ -254,5 +256,33 @@ func TestMemoryStoreConcurrentClaims(t *testing.T) {
 	wg.Wait()
 	for k := range keys {
 		assert.EqualValues(t, 1, won[k].Load(), "key %d", k)
+	}
+}
+
+func TestMemoryStoreKeepsResponsesIntact(t *testing.T) {
+	for _, resp := range []*Response{
+		{Status: 204},
+		{Status: 201, Body: []byte(`{"id":1}`)},
+		{Status: 200, Header: http.Header{"Content-Type": {"text/plain"}}, Body: []byte("ok")},
+		{Status: 200, Header: http.Header{"Vary": {"Accept", "Origin"}, "X-Empty": {""}, "Link": {"</a>", "</b>", "</c>"}}},
+		{Status: 201, BodyOmitted: true},
+		{Status: 200, Body: bytes.Repeat([]byte{0, 0xff, '\n'}, 1000)},
+	} {
+		s := NewMemoryStore()
+		now := time.Now()
+		c := testClaim("k", now)
+		_, err := s.Claim(t.Context(), c)
+		require.NoError(t, err)
+		require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, resp, now.Add(time.Hour)))
+		for range 2 {
+			res, err := s.Claim(t.Context(), testClaim("k", now))
+			require.NoError(t, err)
+			require.True(t, res.Record.Completed())
+			assert.Equal(t, resp, res.Record.Response)
+			// What one replay does to its copy does not reach the next.
+			if res.Record.Response.Header != nil {
+				res.Record.Response.Header.Set("X-Changed", "1")
+			}
+		}
 	}
 }

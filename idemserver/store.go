@@ -132,9 +132,11 @@ type ClaimResult struct {
 	Claimed bool
 	// Record is the record found instead, when Claimed is false.
 	Record Record
-	// Context, when not nil, replaces the request's context for the handler
-	// and is the context of the Complete or Release that ends the claim. A
-	// store sets it to hand the handler a transaction; see [Store].
+	// Context, when not nil and Claimed is true, replaces the request's
+	// context for the handler and is the context of the Complete or Release
+	// that ends the claim. A store sets it to hand the handler a
+	// transaction; see [Store]. A store that began a transaction and did
+	// not claim the key ends that transaction itself before returning.
 	Context context.Context
 }
 
