@@ -1,9 +1,9 @@
 package idemhttp
 
 import (
-	"strings"
-
 	"github.com/google/uuid"
+
+	"github.com/idemhttp/idemhttp/internal/sfv"
 )
 
 // newUUIDv7 returns a new UUIDv7 string: random enough to be unique, and
@@ -18,16 +18,4 @@ func newUUIDv7() (string, error) {
 
 // structuredString encodes s as a Structured Fields sf-string (RFC 9651
 // section 3.3.3): quoted, with backslash and double quote escaped.
-func structuredString(s string) string {
-	var b strings.Builder
-	b.Grow(len(s) + 2)
-	b.WriteByte('"')
-	for i := 0; i < len(s); i++ {
-		if s[i] == '"' || s[i] == '\\' {
-			b.WriteByte('\\')
-		}
-		b.WriteByte(s[i])
-	}
-	b.WriteByte('"')
-	return b.String()
-}
+func structuredString(s string) string { return sfv.Quote(s) }

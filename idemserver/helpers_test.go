@@ -135,3 +135,16 @@ func (s *stubStore) Release(ctx context.Context, k Key, token string) error {
 	}
 	return s.MemoryStore.Release(ctx, k, token)
 }
+
+// assertReplayed checks that the second of two requests with one key, w,
+// was a replay and the handler ran once, or was not and the handler ran
+// twice.
+func assertReplayed(t *testing.T, replayed bool, w *httptest.ResponseRecorder, h *countingHandler) {
+	t.Helper()
+	assert.Equal(t, replayed, w.Header().Get(ReplayedHeader) == "true", "replayed")
+	want := int64(2)
+	if replayed {
+		want = 1
+	}
+	assert.Equal(t, want, h.calls.Load(), "handler runs")
+}

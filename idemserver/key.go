@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/idemhttp/idemhttp/internal/sfv"
 )
 
 // MaxKeyLen is the longest idempotency key, in characters, that the
@@ -53,63 +55,18 @@ func parseQuotedKey(v string) (string, error) {
 	if len(v) > 2*MaxKeyLen+2 {
 		return "", fmt.Errorf("%w: quoted value of %d bytes is too long", ErrMalformedKey, len(v))
 	}
-	var b strings.Builder
-	escapes := false
-	for i := 1; i < len(v); i++ {
-		c := v[i]
-		switch {
-		case c == '\\':
-			i++
-			if i == len(v) {
-				return "", fmt.Errorf("%w: unterminated escape", ErrMalformedKey)
-			}
-			if v[i] != '"' && v[i] != '\\' {
-				return "", fmt.Errorf("%w: invalid escape \\%c", ErrMalformedKey, v[i])
-			}
-			if !escapes {
-				escapes = true
-				b.Grow(len(v))
-				b.WriteString(v[1 : i-1])
-			}
-			b.WriteByte(v[i])
-		case c == '"':
-			if i != len(v)-1 {
-				return "", fmt.Errorf("%w: text after the closing quote", ErrMalformedKey)
-			}
-			key := v[1:i]
-			if escapes {
-				key = b.String()
-			}
-			switch {
-			case key == "":
-				return "", fmt.Errorf("%w: empty", ErrMalformedKey)
-			case len(key) > MaxKeyLen:
-				return "", fmt.Errorf("%w: %d characters, limit %d", ErrMalformedKey, len(key), MaxKeyLen)
-			}
-			return key, nil
-		case c < ' ' || c >= 0x7f:
-			return "", fmt.Errorf("%w: byte %#02x at offset %d is not printable ASCII", ErrMalformedKey, c, i)
-		default:
-			if escapes {
-				b.WriteByte(c)
-			}
-		}
+	key, err := sfv.Unquote(v)
+	switch {
+	case err != nil:
+		return "", fmt.Errorf("%w: %v", ErrMalformedKey, err)
+	case key == "":
+		return "", fmt.Errorf("%w: empty", ErrMalformedKey)
+	case len(key) > MaxKeyLen:
+		return "", fmt.Errorf("%w: %d characters, limit %d", ErrMalformedKey, len(key), MaxKeyLen)
 	}
-	return "", fmt.Errorf("%w: missing closing quote", ErrMalformedKey)
+	return key, nil
 }
 
 // FormatKey returns key as a Structured Fields string, the form a client
 // should send in the Idempotency-Key header. It does not validate key.
-func FormatKey(key string) string {
-	var b strings.Builder
-	b.Grow(len(key) + 2)
-	b.WriteByte('"')
-	for i := 0; i < len(key); i++ {
-		if key[i] == '"' || key[i] == '\\' {
-			b.WriteByte('\\')
-		}
-		b.WriteByte(key[i])
-	}
-	b.WriteByte('"')
-	return b.String()
-}
+func FormatKey(key string) string { return sfv.Quote(key) }

@@ -179,25 +179,24 @@ func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expired
 
 // Complete implements [Store].
 func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
-	sh := s.shard(key)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	if s.closed.Load() {
-		return ErrClosed
-	}
-	e := sh.records[key]
-	if e == nil || e.completed() || e.rec.Token != token {
-		return ErrLeaseLost
-	}
-	e.resp = encodeResponse(resp)
-	e.rec.Expires = expires
-	e.rec.Token = "" // a completed record has no lease
-	sh.pushCompleted(e)
-	return nil
+	return s.leased(key, token, func(sh *memShard, e *memEntry) {
+		e.resp = encodeResponse(resp)
+		e.rec.Expires = expires
+		e.rec.Token = "" // a completed record has no lease
+		sh.pushCompleted(e)
+	})
 }
 
 // Release implements [Store].
 func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error {
+	return s.leased(key, token, func(sh *memShard, e *memEntry) {
+		delete(sh.records, key)
+	})
+}
+
+// leased calls f, under the lock of key's shard, with the in-progress
+// record of key, provided it still holds token.
+func (s *MemoryStore) leased(key Key, token string, f func(*memShard, *memEntry)) error {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -208,7 +207,7 @@ func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error 
 	if e == nil || e.completed() || e.rec.Token != token {
 		return ErrLeaseLost
 	}
-	delete(sh.records, key)
+	f(sh, e)
 	return nil
 }
 
