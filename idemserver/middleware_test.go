@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -446,4 +447,79 @@ func TestLeaseTakeover(t *testing.T) {
 			assert.Equal(t, "true", again.Header().Get(ReplayedHeader))
 		})
 	}
+}
+
+func TestWaitInFlight(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		wait       time.Duration
+		finishesIn time.Duration // zero: never
+		cancel     bool
+		replay     bool
+	}{
+		{"first finishes within the wait", time.Second, 300 * time.Millisecond, false, true},
+		{"first finishes after the wait", time.Second, 5 * time.Second, false, false},
+		{"no wait", 0, 300 * time.Millisecond, false, false},
+		{"waiting client goes away", time.Minute, 0, true, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				release := make(chan struct{})
+				var calls int
+				mw := Middleware(nil, WithWaitInFlight(tt.wait))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					calls++
+					<-release
+					w.WriteHeader(http.StatusCreated)
+					_, _ = io.WriteString(w, "done")
+				}))
+				firstDone := make(chan *httptest.ResponseRecorder, 1)
+				go func() { firstDone <- serve(mw, newRequest(http.MethodPost, "/x", "k", "b")) }()
+				synctest.Wait() // the first request holds the claim
+				if tt.finishesIn > 0 {
+					time.AfterFunc(tt.finishesIn, func() { close(release) })
+				}
+				ctx, cancel := context.WithCancel(t.Context())
+				defer cancel()
+				if tt.cancel {
+					time.AfterFunc(10*time.Second, cancel)
+				}
+				start := time.Now()
+				w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b").WithContext(ctx))
+				if tt.replay {
+					assert.Equal(t, http.StatusCreated, w.Code)
+					assert.Equal(t, "true", w.Header().Get(ReplayedHeader))
+					assert.Equal(t, "done", w.Body.String())
+					assert.Less(t, time.Since(start), tt.finishesIn+maxPoll+time.Millisecond, "replays soon after the first finishes")
+				} else {
+					decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+					assert.LessOrEqual(t, time.Since(start), max(tt.wait, 10*time.Second), "gives up by the bound")
+				}
+				if tt.finishesIn == 0 {
+					close(release)
+				}
+				<-firstDone
+				assert.Equal(t, 1, calls)
+			})
+		})
+	}
+}
+
+func TestObserver(t *testing.T) {
+	var events []Event
+	mw := Middleware(nil, RequireKey(), WithObserver(func(e Event) { events = append(events, e) }))(&countingHandler{})
+	serve(mw, newRequest("POST", "/x", "k", "b"))
+	serve(mw, newRequest("POST", "/x", "k", "b"))
+	serve(mw, newRequest("POST", "/x", "k", "c"))
+	serve(mw, newRequest("POST", "/x", "", "b"))
+	serve(mw, newRequest("POST", "/x", "a b", "b"))
+	serve(mw, newRequest("GET", "/x", "k", ""))
+	var got []string
+	for _, e := range events {
+		got = append(got, e.Outcome.String())
+		assert.NotNil(t, e.Request)
+	}
+	assert.Equal(t, []string{"executed", "replayed", "mismatch", "rejected", "rejected"}, got)
+	assert.Equal(t, Key{Key: "k"}, events[0].Key)
+	assert.Equal(t, 201, events[0].Status)
+	assert.Equal(t, "Outcome(99)", Outcome(99).String())
 }
