@@ -124,9 +124,14 @@ func TestEndToEndEffectsHappenOnce(t *testing.T) {
 			}
 			srv := httptest.NewServer(in)
 			defer srv.Close()
+			// Every first attempt fails, a rate at which the retry budget
+			// and the breaker would rightly stop retrying; they are off so
+			// that every operation runs to its end.
 			client := idemhttp.NewClient(
 				idemhttp.WithMaxAttempts(tt.faulty+2),
 				idemhttp.WithBackoff(idemhttp.FullJitter(time.Millisecond, 5*time.Millisecond)),
+				idemhttp.WithBudget(nil),
+				idemhttp.WithoutBreaker(),
 			)
 			defer client.CloseIdleConnections()
 
