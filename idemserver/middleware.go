@@ -116,7 +116,7 @@ func (o Outcome) String() string {
 }
 
 // An Event tells the observer (see [WithObserver]) what the middleware did
-// with one keyed request.
+// with one request whose method is keyed.
 type Event struct {
 	// Request is the request, as the handler saw it.
 	Request *http.Request

@@ -209,9 +209,10 @@ func WithClock(now func() time.Time) Option {
 	}
 }
 
-// WithObserver sets a function called once for every keyed request with
-// what the middleware did, for logs and metrics. It is called on the
-// request's goroutine, after the response is written, and must not block.
+// WithObserver sets a function called once for every request with a keyed
+// method, with what the middleware did, for logs and metrics. It is called
+// on the request's goroutine after the response is written (for a handler
+// that panicked, before the panic goes on) and must not block.
 func WithObserver(observe func(Event)) Option {
 	return func(c *config) { c.observe = observe }
 }
