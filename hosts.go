@@ -4,6 +4,7 @@ import (
 	"net"
 	"net/url"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -53,4 +54,40 @@ func hostKey(u *url.URL) string {
 		}
 	}
 	return scheme + "://" + net.JoinHostPort(strings.ToLower(u.Hostname()), port)
+}
+
+// hostKeys remembers the hostKey of each (scheme, authority) a Transport
+// has seen, so that requests to a known host do not build the same string
+// again. It holds at most max entries and starts afresh when full.
+type hostKeys struct {
+	mu  sync.RWMutex
+	m   map[hostID]string
+	max int
+}
+
+type hostID struct{ scheme, host string }
+
+func newHostKeys(max int) *hostKeys {
+	return &hostKeys{m: make(map[hostID]string), max: max}
+}
+
+// get returns hostKey(u).
+func (h *hostKeys) get(u *url.URL) string {
+	id := hostID{u.Scheme, u.Host}
+	h.mu.RLock()
+	key, ok := h.m[id]
+	h.mu.RUnlock()
+	if ok {
+		return key
+	}
+	key = hostKey(u)
+	// Clone: u's strings may share memory with a long request URL.
+	id = hostID{strings.Clone(id.scheme), strings.Clone(id.host)}
+	h.mu.Lock()
+	if len(h.m) >= h.max {
+		clear(h.m)
+	}
+	h.m[id] = key
+	h.mu.Unlock()
+	return key
 }

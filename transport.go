@@ -32,6 +32,7 @@ type Transport struct {
 	cfg      config
 	breakers *breakers // nil: no circuit breakers
 	limiters *limiters // nil: no rate limit
+	hostKeys *hostKeys
 }
 
 // NewTransport returns a Transport that sends attempts through base, or
@@ -41,6 +42,7 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 		base = http.DefaultTransport
 	}
 	t := &Transport{base: base, cfg: newConfig(opts)}
+	t.hostKeys = newHostKeys(t.cfg.maxHosts)
 	if s := t.cfg.breaker; s != nil {
 		t.breakers = newBreakers(*s, t.cfg.maxHosts, t.cfg.idleHost)
 	}
@@ -66,7 +68,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := call{t: t, req: req, ctx: req.Context(), body: body, host: hostKey(req.URL)}
+	c := call{t: t, req: req, ctx: req.Context(), body: body, host: t.hostKeys.get(req.URL)}
 	resp, err := c.run()
 	c.body.close()
 	return resp, err
@@ -83,11 +85,11 @@ type call struct {
 	ctx  context.Context
 	body requestBody
 
-	key       string   // the idempotency key, or "" if none
-	keyValue  []string // the key header's value to add, or nil to add none
-	operation string   // from WithOperation, or ""
-	pending   bool     // key is pending in the KeyStore under operation
-	resend    bool     // the request may be sent again after it reached the server
+	key       string // the idempotency key, or "" if none
+	keyValue  string // the key header's value to add, or "" to add none
+	operation string // from WithOperation, or ""
+	pending   bool   // key is pending in the KeyStore under operation
+	resend    bool   // the request may be sent again after it reached the server
 
 	host    string          // scheme://host:port, for per-host state
 	breaker breakerTicket   // the breaker's admission of the attempt in flight
@@ -155,7 +157,7 @@ func (c *call) assignKey() error {
 		if cfg.structuredKey {
 			value = structuredString(key)
 		}
-		c.keyValue = []string{value}
+		c.keyValue = value
 	}
 	c.resend = idempotentMethod(c.req.Method) || c.key != ""
 	return nil
@@ -273,6 +275,9 @@ func (c *call) attemptHeader() http.Header {
 	for _, vv := range src {
 		n += len(vv)
 	}
+	if c.keyValue != "" {
+		n++
+	}
 	values := make([]string, n)
 	h := make(http.Header, len(src)+1)
 	for k, vv := range src {
@@ -284,8 +289,9 @@ func (c *call) attemptHeader() http.Header {
 		h[k] = values[:m:m]
 		values = values[m:]
 	}
-	if c.keyValue != nil {
-		h[c.t.cfg.keyHeader] = c.keyValue
+	if c.keyValue != "" {
+		values[0] = c.keyValue
+		h[c.t.cfg.keyHeader] = values[:1:1]
 	}
 	return h
 }

@@ -1,27 +1,28 @@
 package idemhttp
 
 import (
+	"bufio"
 	"bytes"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
-	"net/http/httptest"
+	"os"
+	"os/exec"
+	"strings"
 	"testing"
 )
 
 // BenchmarkTransport measures the happy path, one request at a time over a
-// loopback connection: through a bare http.Transport; through a bare one
-// with the caller setting a fresh UUIDv7 key by hand, so the same bytes
-// cross the wire and the server parses the same header; and through
-// idemhttp wrapping the same kind of transport. The server runs in the same
-// process, so its allocations count too. Compare with
+// loopback keep-alive connection to a server in another process, so that
+// the allocations reported are the client's alone. It compares a bare
+// http.Transport; a bare one with the caller setting a fresh UUIDv7 key by
+// hand, so the same bytes cross the wire; and idemhttp, with its defaults,
+// wrapping the same kind of transport. Compare with
 //
-//	benchstat -col /impl old.txt
+//	benchstat -col /impl bench.txt
 func BenchmarkTransport(b *testing.B) {
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.Copy(io.Discard, r.Body)
-		_, _ = w.Write([]byte("ok"))
-	}))
-	defer srv.Close()
+	url := startBenchServer(b)
 	payload := bytes.Repeat([]byte("p"), 1024)
 
 	impls := []struct {
@@ -44,9 +45,9 @@ func BenchmarkTransport(b *testing.B) {
 		name string
 		make func() *http.Request
 	}{
-		{"GET", func() *http.Request { r, _ := http.NewRequest("GET", srv.URL, nil); return r }},
+		{"GET", func() *http.Request { r, _ := http.NewRequest("GET", url, nil); return r }},
 		{"POST-1KiB", func() *http.Request {
-			r, _ := http.NewRequest("POST", srv.URL, bytes.NewReader(payload))
+			r, _ := http.NewRequest("POST", url, bytes.NewReader(payload))
 			return r
 		}},
 	}
@@ -68,4 +69,53 @@ func BenchmarkTransport(b *testing.B) {
 			})
 		}
 	}
+}
+
+// benchServerEnv, when set, makes the test binary serve for a benchmark
+// instead of running tests.
+const benchServerEnv = "IDEMHTTP_BENCH_SERVER"
+
+// startBenchServer runs this test binary again as a loopback server and
+// returns its URL. The server exits when its standard input closes: at the
+// benchmark's end, or when this process dies.
+func startBenchServer(b *testing.B) string {
+	b.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), benchServerEnv+"=1")
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		stdin.Close()
+		_ = cmd.Wait()
+	})
+	addr, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		b.Fatalf("benchmark server: %v", err)
+	}
+	return "http://" + strings.TrimSpace(addr)
+}
+
+// serveForBenchmark is the benchmark server: it reads the request body and
+// answers "ok", until standard input closes.
+func serveForBenchmark() {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Println(l.Addr())
+	go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		_, _ = w.Write([]byte("ok"))
+	}))
+	_, _ = io.Copy(io.Discard, os.Stdin)
 }
