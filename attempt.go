@@ -13,6 +13,11 @@ type Attempt struct {
 	Operation string
 	// Number counts the attempts of this request, starting at 1.
 	Number int
+	// Sent reports whether the attempt was sent. An attempt refused before
+	// sending (an open circuit breaker, a rate-limit wait that could not
+	// end in time, a body that could not be replayed) is reported too, with
+	// Sent false and Err saying why.
+	Sent bool
 	// StatusCode is the response status, or 0 if the attempt failed with Err.
 	StatusCode int
 	// Err is the error the attempt failed with, or nil if it got a response.

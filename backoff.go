@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"math"
 	"math/rand/v2"
 	"time"
 )
@@ -47,13 +48,20 @@ type fullJitter struct {
 
 // Delay implements [Backoff].
 func (j fullJitter) Delay(retry int) time.Duration {
-	return time.Duration(j.int64n(int64(j.ceiling(retry)) + 1))
+	c := int64(j.ceiling(retry))
+	if c == math.MaxInt64 {
+		return time.Duration(j.int64n(c)) // [0, c) is as good as [0, c] here
+	}
+	return time.Duration(j.int64n(c + 1))
 }
 
 // ceiling is min(max, base·2^(retry-1)), computed without overflow.
 func (j fullJitter) ceiling(retry int) time.Duration {
 	c := j.base
 	for i := 1; i < retry && c < j.max; i++ {
+		if c > j.max/2 {
+			return j.max
+		}
 		c *= 2
 	}
 	return min(c, j.max)

@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"math"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -79,4 +80,20 @@ func TestFullJitterPublicConstructor(t *testing.T) {
 		seen[d] = true
 	}
 	assert.Greater(t, len(seen), 100, "delays should vary")
+}
+
+func TestFullJitterHugeCapDoesNotOverflow(t *testing.T) {
+	for _, b := range []Backoff{
+		FullJitter(time.Second, math.MaxInt64),
+		FullJitter(math.MaxInt64, math.MaxInt64),
+		FullJitter(math.MaxInt64/3, math.MaxInt64-1),
+	} {
+		for _, retry := range []int{1, 2, 40, 64, 1000} {
+			var d time.Duration
+			require.NotPanics(t, func() { d = b.Delay(retry) })
+			assert.GreaterOrEqual(t, d, time.Duration(0))
+		}
+	}
+	j := newFullJitter(time.Second, math.MaxInt64, seeded(1))
+	assert.Equal(t, time.Duration(math.MaxInt64), j.ceiling(100))
 }

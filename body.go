@@ -2,19 +2,25 @@ package idemhttp
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"net/http"
+	"time"
 )
 
 // DefaultBodyBufferLimit is how much of a request body without GetBody the
 // Transport buffers so that it can be sent again.
 const DefaultBodyBufferLimit = 1 << 20
 
-// maxDrain bounds how much of a discarded response body is read so that its
-// connection can be reused; a longer body is closed instead, which costs the
+// maxDrain and maxDrainTime bound how much of a response body that is not
+// returned at once is read, and for how long, so that its connection can be
+// reused. A longer or slower body is closed instead, which costs the
 // connection but not the time to read it.
-const maxDrain = 64 << 10
+const (
+	maxDrain     = 64 << 10
+	maxDrainTime = time.Second
+)
 
 // requestBody hands each attempt a fresh copy of the caller's request body
 // and sees that the caller's body is closed exactly once: by the base
@@ -45,9 +51,8 @@ func newRequestBody(req *http.Request, limit int64) (requestBody, error) {
 		return requestBody{unsent: req.Body, first: req.Body, getBody: req.GetBody, replayable: true}, nil
 	}
 
-	buf, err := io.ReadAll(io.LimitReader(req.Body, limit+1))
+	buf, err := readRequestBody(req.Context(), req.Body, limit)
 	if err != nil {
-		req.Body.Close()
 		return requestBody{}, fmt.Errorf("idemhttp: reading request body: %w", err)
 	}
 	if int64(len(buf)) > limit {
@@ -64,6 +69,44 @@ func newRequestBody(req *http.Request, limit int64) (requestBody, error) {
 	}
 	first, _ := getBody()
 	return requestBody{getBody: getBody, first: first, replayable: true}, nil
+}
+
+// readRequestBody reads up to limit+1 bytes of body, giving up when ctx
+// ends, as net/http does for a body it is sending. On error body is closed.
+// A read still blocked when ctx ends is unblocked by closing the body; the
+// goroutine running it ends when the read returns.
+func readRequestBody(ctx context.Context, body io.ReadCloser, limit int64) ([]byte, error) {
+	n := limit + 1
+	if n <= 0 { // limit was math.MaxInt64
+		n = limit
+	}
+	read := func() ([]byte, error) { return io.ReadAll(io.LimitReader(body, n)) }
+	if ctx.Done() == nil {
+		buf, err := read()
+		if err != nil {
+			body.Close()
+		}
+		return buf, err
+	}
+	type result struct {
+		buf []byte
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		buf, err := read()
+		done <- result{buf, err}
+	}()
+	select {
+	case r := <-done:
+		if r.err != nil {
+			body.Close()
+		}
+		return r.buf, r.err
+	case <-ctx.Done():
+		body.Close()
+		return nil, context.Cause(ctx)
+	}
 }
 
 // forAttempt returns the body for attempt n (from 1) and the GetBody to put
@@ -95,11 +138,42 @@ func (b *requestBody) close() {
 // discard drains a bounded amount of a response body that will not be
 // returned to the caller, then closes it, so its connection can be reused.
 func discard(resp *http.Response) {
-	if resp == nil || resp.Body == nil {
-		return
+	if resp != nil && resp.Body != nil {
+		readBounded(resp.Body)
 	}
-	_, _ = io.CopyN(io.Discard, resp.Body, maxDrain)
-	_ = resp.Body.Close()
+}
+
+// hold readies a retried attempt's outcome to be kept during the wait
+// before the next attempt: its response body is read into memory, so its
+// connection is free for that attempt, and its context is released. If the
+// next attempt is refused, the held response is what the caller gets. A
+// body too long or too slow to hold is dropped, and the outcome becomes an
+// error saying so.
+func hold(o outcome) outcome {
+	defer o.cancel()
+	if o.resp == nil {
+		return o
+	}
+	buf, ok := readBounded(o.resp.Body)
+	if !ok {
+		o.err = fmt.Errorf("idemhttp: %d response dropped: body longer than %d bytes or slower than %v",
+			o.resp.StatusCode, maxDrain, maxDrainTime)
+		o.resp = nil
+		return o
+	}
+	o.resp.Body = io.NopCloser(bytes.NewReader(buf))
+	return o
+}
+
+// readBounded reads body to its end, unless that takes more than maxDrain
+// bytes or maxDrainTime, and closes it. ok reports whether it got to the end.
+func readBounded(body io.ReadCloser) (buf []byte, ok bool) {
+	// Closing the body unblocks a read stalled on a silent server.
+	timer := time.AfterFunc(maxDrainTime, func() { body.Close() })
+	buf, err := io.ReadAll(io.LimitReader(body, maxDrain+1))
+	inTime := timer.Stop()
+	body.Close()
+	return buf, err == nil && inTime && len(buf) <= maxDrain
 }
 
 // cancelOnClose ends an attempt's context when the caller closes the

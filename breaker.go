@@ -194,9 +194,12 @@ func (b *breakers) newHost(host string) *hostBreaker {
 		BucketPeriod: s.Interval / 10,
 		Timeout:      s.OpenTimeout,
 		ReadyToTrip: func(c gobreaker.Counts) bool {
+			// Excluded attempts (ended by the caller, or never sent)
+			// count as neither success nor failure.
+			counted := c.Requests - c.TotalExclusions
 			return c.ConsecutiveFailures >= s.ConsecutiveFailures ||
-				(c.Requests >= s.MinRequests &&
-					float64(c.TotalFailures) >= s.FailureRatio*float64(c.Requests))
+				(counted >= s.MinRequests &&
+					float64(c.TotalFailures) >= s.FailureRatio*float64(counted))
 		},
 		IsExcluded: func(err error) bool { return errors.Is(err, errBreakerExcluded) },
 		// Called with the breaker's lock held: only note the change here;

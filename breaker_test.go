@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -233,4 +234,21 @@ func TestBreakerStateString(t *testing.T) {
 	} {
 		assert.Equal(t, want, s.String())
 	}
+}
+
+// Attempts ended by the caller, or never sent, count as neither success nor
+// failure, so they neither dilute the failure ratio nor make up MinRequests.
+func TestBreakerRatioIgnoresExcludedAttempts(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := BreakerSettings{ConsecutiveFailures: math.MaxUint32, MinRequests: 4, FailureRatio: 0.5, OpenTimeout: time.Hour}
+		b := newBreakers(s, 16, time.Hour)
+		for _, o := range []breakerOutcome{outcomeIgnored, outcomeIgnored, outcomeIgnored, outcomeIgnored,
+			outcomeSuccess, outcomeFailure} {
+			tryBreaker(t, b, o)
+		}
+		assert.Equal(t, BreakerClosed, b.state(bHost), "2 counted attempts are fewer than MinRequests")
+		tryBreaker(t, b, outcomeSuccess)
+		tryBreaker(t, b, outcomeFailure)
+		assert.Equal(t, BreakerOpen, b.state(bHost), "2 of 4 counted attempts failed")
+	})
 }

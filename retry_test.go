@@ -39,12 +39,12 @@ func TestStatusRetries(t *testing.T) {
 				if tt.retryAfter != "" {
 					headers = []string{"Retry-After", tt.retryAfter}
 				}
+				if tt.status == 302 {
+					headers = append(headers, "Location", "/elsewhere")
+				}
 				srv := newServer(t, status(tt.status, headers...))
 				req, err := http.NewRequest(method, srv.URL, nil)
 				require.NoError(t, err)
-				if tt.status == 302 {
-					req.Header.Set("Location", "/elsewhere")
-				}
 
 				resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait), WithMaxAttempts(3)), req)
 

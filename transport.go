@@ -64,6 +64,12 @@ func (t *Transport) CloseIdleConnections() {
 // RoundTrip implements [http.RoundTripper]. See [Transport] for what it
 // does with keys, retries and the request.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.URL == nil {
+		if req.Body != nil {
+			req.Body.Close()
+		}
+		return nil, errNilURL
+	}
 	body, err := newRequestBody(req, t.cfg.bodyLimit)
 	if err != nil {
 		return nil, err
@@ -73,6 +79,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	c.body.close()
 	return resp, err
 }
+
+// errNilURL reports a request without a URL, which cannot be sent.
+var errNilURL = errors.New("idemhttp: nil Request.URL")
 
 // errNilResponse reports a base transport that returned neither a response
 // nor an error.
@@ -98,14 +107,23 @@ type call struct {
 
 func (c *call) run() (*http.Response, error) {
 	if err := c.assignKey(); err != nil {
+		if l := c.t.cfg.logger; l != nil {
+			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
+				slog.String("method", c.req.Method), slog.String("host", c.req.URL.Host),
+				slog.String("error", err.Error()))
+		}
 		return nil, c.giveUp(0, ReasonKeyStore, err)
 	}
+	var last outcome // the previous attempt, its response body held in memory
 	for n := 1; ; n++ {
 		if reason, err := c.admit(n); err != nil {
-			return nil, c.giveUp(n-1, reason, err)
+			return c.refused(n, last, reason, err)
 		}
 		o := c.attempt(n)
 		c.settle(o)
+		if o.unsent {
+			return c.refused(n, last, ReasonBodyNotReplayable, o.err)
+		}
 		reason, wait := c.decide(n, o)
 		if reason == ReasonBackoff || reason == ReasonRetryAfter {
 			if veto := c.vetoRetry(); veto != "" {
@@ -115,8 +133,7 @@ func (c *call) run() (*http.Response, error) {
 		c.report(n, o, reason, wait)
 
 		if reason == ReasonBackoff || reason == ReasonRetryAfter {
-			discard(o.resp)
-			o.cancel()
+			last = hold(o)
 			if err := sleep(c.ctx, wait); err != nil {
 				return nil, c.giveUp(n, ReasonCanceled, err)
 			}
@@ -134,6 +151,25 @@ func (c *call) run() (*http.Response, error) {
 		}
 		return o.resp, nil
 	}
+}
+
+// refused ends a request whose attempt n was refused before it was sent.
+// The request ends with the outcome of attempt n-1, as when retries run
+// out: its response if there is one, else its error, wrapped with why no
+// further attempt was made. Only when the caller's context ended does the
+// request end with the context's error.
+func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Response, error) {
+	c.report(n, outcome{err: err, unsent: true}, reason, 0)
+	if last.resp != nil && reason != ReasonCanceled {
+		return last.resp, nil
+	}
+	if last.resp != nil {
+		last.resp.Body.Close()
+	}
+	if last.err != nil && reason != ReasonCanceled {
+		err = last.err
+	}
+	return nil, c.giveUp(n-1, reason, err)
 }
 
 // assignKey decides the idempotency key: the caller's, the operation's
@@ -163,28 +199,26 @@ func (c *call) assignKey() error {
 	return nil
 }
 
-// admit readies attempt n: the host's circuit breaker must let it through
-// and its rate limiter must have room for it. When either refuses, admit
-// returns why and an error; a breaker's refusal is reported as attempt n,
-// though nothing was sent.
+// admit readies attempt n: the host's rate limiter must have room for it
+// and its circuit breaker must let it through. The limiter comes first so
+// that a half-open breaker's few probe slots are not held while waiting.
+// When either refuses, admit returns why and an error.
 func (c *call) admit(n int) (Reason, error) {
-	if b := c.t.breakers; b != nil {
-		ticket, changes, err := b.allow(c.host, time.Now())
-		c.changes = append(c.changes, changes...)
-		if err != nil {
-			c.report(n, outcome{err: err}, ReasonCircuitOpen, 0)
-			return ReasonCircuitOpen, err
-		}
-		c.breaker = ticket
-	}
 	if l := c.t.limiters; l != nil {
 		if err := l.wait(c.ctx, c.host); err != nil {
-			c.settle(outcome{unsent: true})
 			if errors.Is(err, ErrWaitPastDeadline) {
 				return ReasonWaitPastDeadline, err
 			}
 			return ReasonCanceled, err
 		}
+	}
+	if b := c.t.breakers; b != nil {
+		ticket, changes, err := b.allow(c.host, time.Now())
+		c.changes = append(c.changes, changes...)
+		if err != nil {
+			return ReasonCircuitOpen, err
+		}
+		c.breaker = ticket
 	}
 	if n == 1 {
 		c.t.cfg.budget.recordFirst(c.host, time.Now())
@@ -233,7 +267,7 @@ type outcome struct {
 	ctx     context.Context    // the attempt's context
 	cancel  context.CancelFunc // ends ctx; call once resp is not needed
 	elapsed time.Duration
-	unsent  bool // the attempt could not be made: its body was unavailable
+	unsent  bool // the attempt was not sent: refused, or its body was unavailable
 }
 
 // attempt sends attempt n.
@@ -299,9 +333,6 @@ func (c *call) attemptHeader() http.Header {
 // decide says whether attempt n is retried, after what wait, and why.
 func (c *call) decide(n int, o outcome) (Reason, time.Duration) {
 	cfg := &c.t.cfg
-	if o.unsent {
-		return ReasonBodyNotReplayable, 0
-	}
 	if o.err != nil {
 		switch classifyError(o.err, c.ctx, o.ctx) {
 		case errFinal:
@@ -358,6 +389,7 @@ func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 		Key:       c.key,
 		Operation: c.operation,
 		Number:    n,
+		Sent:      !o.unsent,
 		Err:       o.err,
 		Elapsed:   o.elapsed,
 		Wait:      wait,

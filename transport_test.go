@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -223,18 +224,48 @@ type errReader struct{ err error }
 
 func (r errReader) Read([]byte) (int, error) { return 0, r.err }
 
+// When the body cannot be rewound for a retry, the request ends with the
+// last attempt's outcome, and the refused attempt is reported as not sent.
 func TestGetBodyFailureStopsRetrying(t *testing.T) {
-	srv := newServer(t, status(503))
 	boom := errors.New("cannot rewind")
-	req := post(t, context.Background(), srv.URL, "x")
-	req.GetBody = func() (io.ReadCloser, error) { return nil, boom }
+	tests := []struct {
+		name  string
+		reply func(http.ResponseWriter, *http.Request)
+	}{
+		{"after a response", status(503)},
+		{"after an error", hangUp},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, tt.reply)
+			var attempts []Attempt
+			req := post(t, context.Background(), srv.URL, "x")
+			req.GetBody = func() (io.ReadCloser, error) { return nil, boom }
+			tr := NewTransport(newBaseTransport(t), WithBackoff(noWait),
+				WithAttemptHook(func(a Attempt) { attempts = append(attempts, a) }))
 
-	resp, err := NewTransport(newBaseTransport(t), WithBackoff(noWait)).RoundTrip(req)
+			resp, err := tr.RoundTrip(req)
 
-	assert.Nil(t, resp)
-	assert.ErrorIs(t, err, boom)
-	assert.ErrorIs(t, err, ErrBodyNotReplayable)
-	assert.Equal(t, int32(1), srv.hits.Load())
+			if resp != nil {
+				require.NoError(t, err)
+				assert.Equal(t, 503, resp.StatusCode, "the last outcome is returned")
+				body, _ := io.ReadAll(resp.Body)
+				assert.Equal(t, "Service Unavailable", string(body), "with its body")
+				resp.Body.Close()
+			} else {
+				assert.ErrorIs(t, err, ErrBodyNotReplayable)
+				var re *RetryError
+				require.ErrorAs(t, err, &re)
+				assert.Equal(t, 1, re.Attempts, "only attempts sent are counted")
+			}
+			assert.Equal(t, int32(1), srv.hits.Load())
+			require.Len(t, attempts, 2)
+			assert.True(t, attempts[0].Sent)
+			assert.False(t, attempts[1].Sent)
+			assert.ErrorIs(t, attempts[1].Err, boom)
+			assert.Equal(t, ReasonBodyNotReplayable, attempts[1].Reason)
+		})
+	}
 }
 
 // snapshot captures everything of a request that RoundTrip must not change.
@@ -371,21 +402,25 @@ func TestDiscardedResponsesAreDrainedForConnectionReuse(t *testing.T) {
 	assert.Equal(t, []bool{false, true, true}, reused)
 }
 
+// With an attempt timeout, the attempt's context must outlive RoundTrip
+// (the caller still reads the body with it) and end when the body closes.
 func TestAttemptContextLivesUntilBodyClosed(t *testing.T) {
+	payload := strings.Repeat("b", 100<<10)
+	srv := newServer(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, payload) })
 	var attemptCtx context.Context
-	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+	base := newBaseTransport(t)
+	spy := roundTripFunc(func(r *http.Request) (*http.Response, error) {
 		attemptCtx = r.Context()
-		return okResponse(r, 200), nil
+		return base.RoundTrip(r)
 	})
-	for _, opts := range [][]Option{nil, {WithAttemptTimeout(1e12)}} {
-		resp, err := NewTransport(base, opts...).RoundTrip(post(t, context.Background(), "http://x.invalid", "x"))
-		require.NoError(t, err)
-		assert.NoError(t, attemptCtx.Err(), "attempt context ended before the body was closed")
-		require.NoError(t, resp.Body.Close())
-		if len(opts) > 0 {
-			assert.ErrorIs(t, attemptCtx.Err(), context.Canceled, "attempt context not released on Close")
-		}
-	}
+	resp, err := NewTransport(spy, WithAttemptTimeout(time.Hour)).RoundTrip(post(t, context.Background(), srv.URL, "x"))
+	require.NoError(t, err)
+	assert.NoError(t, attemptCtx.Err(), "attempt context ended before the body was read")
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err, "the body could not be read after RoundTrip returned")
+	assert.Equal(t, len(payload), len(body))
+	require.NoError(t, resp.Body.Close())
+	assert.ErrorIs(t, attemptCtx.Err(), context.Canceled, "attempt context not released on Close")
 }
 
 func TestCloseIdleConnectionsReachesBase(t *testing.T) {

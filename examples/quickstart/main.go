@@ -60,7 +60,9 @@ func run(out io.Writer, payments, workers int, seed uint64) error {
 		mu.Lock()
 		defer mu.Unlock()
 		r := results[a.Operation]
-		r.attempts++
+		if a.Sent {
+			r.attempts++
+		}
 		r.key = a.Key
 	}
 	client := idemhttp.NewClient(
