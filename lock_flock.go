@@ -8,6 +8,10 @@ import (
 	"syscall"
 )
 
+// crossProcessLocking reports whether the store lock excludes other
+// processes, not only other FileKeyStores in this one.
+const crossProcessLocking = true
+
 // lockStore takes an exclusive flock on the store file. The lock belongs to
 // the open file, so closing the file or the process dying releases it, and
 // a second open of the same file in this process conflicts like another

@@ -8,6 +8,8 @@ import (
 	"sync"
 )
 
+const crossProcessLocking = false
+
 // openStores holds the absolute paths of the stores open in this process.
 // Without flock the lock covers only this process.
 var openStores sync.Map
