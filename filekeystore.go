@@ -138,6 +138,7 @@ type FileKeyStore struct {
 	closed         bool
 	compacting     chan struct{} // closed when the running compaction ends
 	compactRetryAt int64
+	compactions    int // completed, for tests
 }
 
 // entry is a pending key. The operation id is the map key.

@@ -109,6 +109,7 @@ func (s *FileKeyStore) compact(done chan struct{}) {
 
 	s.mu.Lock()
 	s.f, s.size = tf, n+end-base
+	s.compactions++
 	if err != nil {
 		s.err = fmt.Errorf("idemhttp: key store %s: compaction rename not durable; the store must be reopened: %w", s.path, err)
 	}
