@@ -114,7 +114,10 @@ type FileKeyStore struct {
 	recovery FileRecovery
 
 	mu      sync.Mutex
-	entries map[string]entry // pending keys by operation id
+	entries map[string]entryValue // pending keys by operation id
+	// inflight holds the sequence numbers of acquire records not yet
+	// durable, by operation id.
+	inflight map[string]uint64
 	// liveBytes is the encoded size of the acquire records of entries.
 	liveBytes int64
 
@@ -132,8 +135,9 @@ type FileKeyStore struct {
 	releaseSeq uint64 // last release record queued
 	flushing   bool   // a flush or a compaction swap owns the file
 	flushed    chan struct{}
-	frame      []byte // the flusher's buffer
-	err        error  // sticky write failure
+	frame      []byte   // the flusher's buffers
+	taken      []queued //
+	err        error    // sticky write failure
 
 	closed         bool
 	compacting     chan struct{} // closed when the running compaction ends
@@ -141,20 +145,17 @@ type FileKeyStore struct {
 	compactions    int // completed, for tests
 }
 
-// entry is a pending key. The operation id is the map key.
-type entry struct {
-	key     string
-	created int64  // Unix nanoseconds
-	seq     uint64 // sequence number of the acquire record
-}
-
 // queued describes a record waiting in FileKeyStore.queue.
 type queued struct {
 	end     int // end offset in queue
 	seq     uint64
+	op      string
 	release bool
-	op      string // for releases: the released entry, which compaction
-	e       entry  // must still write until the release record is
+	// For releases: the released entry and the sequence number of its
+	// acquire record (0 if durable), which compaction must still write
+	// until the release record is.
+	e      entryValue
+	acqSeq uint64
 }
 
 // OpenFileKeyStore opens the key store at path, creating it if it does not
@@ -176,12 +177,13 @@ func OpenFileKeyStore(path string, opts ...FileOption) (*FileKeyStore, error) {
 		return nil, err
 	}
 	s := &FileKeyStore{
-		path:    path,
-		cfg:     cfg,
-		unlock:  unlock,
-		f:       f,
-		entries: make(map[string]entry),
-		flushed: make(chan struct{}),
+		path:     path,
+		cfg:      cfg,
+		unlock:   unlock,
+		f:        f,
+		entries:  make(map[string]entryValue),
+		inflight: make(map[string]uint64),
+		flushed:  make(chan struct{}),
 	}
 	if err := s.load(); err != nil {
 		s.f.Close()
@@ -257,6 +259,7 @@ func (s *FileKeyStore) load() error {
 	}
 
 	sc := keylog.NewScanner(s.f, size)
+	var recs []keylog.Record
 	for {
 		off, body, err := sc.Next()
 		if errors.Is(err, io.EOF) {
@@ -281,12 +284,16 @@ func (s *FileKeyStore) load() error {
 		case err != nil:
 			return fmt.Errorf("idemhttp: read key store %s: %w", s.path, err)
 		default:
-			if err := keylog.DecodeRecords(body, s.replay); err != nil {
+			recs, err = keylog.DecodeRecords(body, recs[:0])
+			if err != nil {
 				ce := s.corrupt(off, err.Error())
 				if !s.cfg.salvage {
 					return ce
 				}
 				s.recovery.Skipped = append(s.recovery.Skipped, ce)
+			}
+			for _, r := range recs {
+				s.replay(r)
 			}
 			continue
 		}
@@ -336,15 +343,16 @@ func (s *FileKeyStore) replay(r keylog.Record) {
 	switch r.Kind {
 	case keylog.KindAcquire:
 		if old, ok := s.entries[string(r.Operation)]; ok {
-			s.liveBytes -= int64(keylog.AcquireSize(len(r.Operation), len(old.key)))
+			s.liveBytes -= int64(keylog.AcquireSize(len(r.Operation), len(old.key())))
+			// Assigning to an existing key keeps the old key string, which
+			// the new value's key length does not describe.
+			delete(s.entries, string(r.Operation))
 		}
-		// One allocation holds both strings.
-		both := string(r.Operation) + string(r.Key)
-		op, key := both[:len(r.Operation)], both[len(r.Operation):]
-		s.entries[op] = entry{key: key, created: r.Created}
-		s.liveBytes += int64(keylog.AcquireSize(len(op), len(key)))
+		op, e := newEntry(string(r.Operation), string(r.Key), r.Created)
+		s.entries[op] = e
+		s.liveBytes += int64(keylog.AcquireSize(len(r.Operation), len(r.Key)))
 	case keylog.KindRelease:
-		if e, ok := s.entries[string(r.Operation)]; ok && e.key == string(r.Key) {
+		if e, ok := s.entries[string(r.Operation)]; ok && e.key() == string(r.Key) {
 			delete(s.entries, string(r.Operation))
 			s.liveBytes -= int64(keylog.AcquireSize(len(r.Operation), len(r.Key)))
 		}
@@ -382,17 +390,17 @@ func (s *FileKeyStore) Acquire(ctx context.Context, operation, candidate string)
 		return "", err
 	}
 	if e, ok := s.entries[operation]; ok {
-		if err := s.waitLocked(ctx, e.seq); err != nil {
+		if err := s.waitLocked(ctx, s.inflight[operation]); err != nil {
 			return "", err
 		}
-		return e.key, nil
+		return e.key(), nil
 	}
-	both := operation + candidate // one allocation, not tied to the caller's strings
-	op, key := both[:len(operation)], both[len(operation):]
-	created := s.cfg.now().UnixNano()
-	s.queue = keylog.AppendAcquire(s.queue, op, key, created)
-	seq := s.enqueuedLocked(queued{})
-	s.entries[op] = entry{key: key, created: created, seq: seq}
+	op, e := newEntry(operation, candidate, s.cfg.now().UnixNano())
+	key := e.key()
+	s.queue = keylog.AppendAcquire(s.queue, op, key, e.created())
+	seq := s.enqueuedLocked(queued{op: op})
+	s.entries[op] = e
+	s.inflight[op] = seq
 	s.liveBytes += int64(keylog.AcquireSize(len(op), len(key)))
 	if err := s.waitLocked(ctx, seq); err != nil {
 		return "", err
@@ -416,15 +424,15 @@ func (s *FileKeyStore) Release(ctx context.Context, operation, key string) error
 		return err
 	}
 	e, ok := s.entries[operation]
-	if !ok || e.key != key {
+	if !ok || e.key() != key {
 		// Perhaps a concurrent Release of the same key is still on its way
 		// to the disk: answer no sooner than it.
 		return s.waitLocked(ctx, s.releaseSeq)
 	}
 	delete(s.entries, operation)
-	s.liveBytes -= int64(keylog.AcquireSize(len(operation), len(e.key)))
+	s.liveBytes -= int64(keylog.AcquireSize(len(operation), len(key)))
 	s.queue = keylog.AppendRelease(s.queue, operation, key)
-	s.releaseSeq = s.enqueuedLocked(queued{release: true, op: operation, e: e})
+	s.releaseSeq = s.enqueuedLocked(queued{release: true, op: operation, e: e, acqSeq: s.inflight[operation]})
 	return s.waitLocked(ctx, s.releaseSeq)
 }
 
@@ -441,8 +449,8 @@ func (s *FileKeyStore) Pending(ctx context.Context) ([]PendingOperation, error) 
 	}
 	out := make([]PendingOperation, 0, len(s.entries))
 	for op, e := range s.entries {
-		if e.seq <= s.durableSeq {
-			out = append(out, PendingOperation{Operation: op, Key: e.key, Created: time.Unix(0, e.created)})
+		if _, ok := s.inflight[op]; !ok {
+			out = append(out, PendingOperation{Operation: op, Key: e.key(), Created: e.createdTime()})
 		}
 	}
 	s.mu.Unlock()
@@ -570,6 +578,7 @@ func (s *FileKeyStore) flushLocked() {
 	}
 	end := s.qmeta[n-1].end
 	last := s.qmeta[n-1].seq
+	taken := append(s.taken[:0], s.qmeta[:n]...)
 	frame := append(s.frame[:0], make([]byte, keylog.FrameHeaderSize)...)
 	frame = append(frame, s.queue[:end]...)
 	s.queue = s.queue[:copy(s.queue, s.queue[end:])]
@@ -594,11 +603,16 @@ func (s *FileKeyStore) flushLocked() {
 	}
 
 	s.mu.Lock()
-	s.frame = frame
+	s.frame, s.taken = frame, taken
 	if err != nil {
 		s.err = fmt.Errorf("idemhttp: key store %s: write failed; the store must be reopened: %w", s.path, err)
 	} else {
 		s.durableSeq = last
+		for _, q := range taken {
+			if !q.release && s.inflight[q.op] == q.seq {
+				delete(s.inflight, q.op)
+			}
+		}
 	}
 	s.releaseFlusherLocked()
 	s.maybeCompactLocked()

@@ -13,7 +13,7 @@ import (
 // liveRecord is a pending key as compaction writes it.
 type liveRecord struct {
 	op string
-	e  entry
+	e  entryValue
 }
 
 func (s *FileKeyStore) tempPath() string { return s.path + ".compact" }
@@ -39,12 +39,12 @@ func (s *FileKeyStore) maybeCompactLocked() {
 func (s *FileKeyStore) snapshotLocked() []liveRecord {
 	live := make([]liveRecord, 0, len(s.entries))
 	for op, e := range s.entries {
-		if e.seq <= s.writtenSeq {
+		if s.inflight[op] <= s.writtenSeq {
 			live = append(live, liveRecord{op, e})
 		}
 	}
 	for _, q := range s.qmeta {
-		if q.release && q.e.seq <= s.writtenSeq {
+		if q.release && q.acqSeq <= s.writtenSeq {
 			live = append(live, liveRecord{q.op, q.e})
 		}
 	}
@@ -167,10 +167,11 @@ func (s *FileKeyStore) writeCompacted(live []liveRecord, stopped func() bool) (*
 		}
 	}
 	for _, r := range live {
-		if len(frame)-keylog.FrameHeaderSize+keylog.AcquireSize(len(r.op), len(r.e.key)) > keylog.MaxFrameBody {
+		key := r.e.key()
+		if len(frame)-keylog.FrameHeaderSize+keylog.AcquireSize(len(r.op), len(key)) > keylog.MaxFrameBody {
 			flush()
 		}
-		frame = keylog.AppendAcquire(frame, r.op, r.e.key, r.e.created)
+		frame = keylog.AppendAcquire(frame, r.op, key, r.e.created())
 	}
 	flush()
 	if err == nil {

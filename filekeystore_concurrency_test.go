@@ -137,7 +137,7 @@ func TestFileKeyStoreCompactionSnapshot(t *testing.T) {
 	s.mu.Lock()
 	var ops []string
 	for _, r := range s.snapshotLocked() {
-		ops = append(ops, r.op+"="+r.e.key)
+		ops = append(ops, r.op+"="+r.e.key())
 	}
 	s.mu.Unlock()
 	release()

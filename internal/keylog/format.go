@@ -159,23 +159,20 @@ func ParseFrameHeader(h []byte) (bodyLen int, bodyCRC uint32, ok bool) {
 // BodyOK reports whether body matches the checksum from its frame header.
 func BodyOK(body []byte, crc uint32) bool { return checksum(body) == crc }
 
-// DecodeRecords checks that body holds only well-formed records and then
-// calls fn for each, in order. fn is not called at all if any record is
-// malformed.
-func DecodeRecords(body []byte, fn func(Record)) error {
-	for pass := 0; pass < 2; pass++ {
-		for off := 0; off < len(body); {
-			r, n, err := decodeRecord(body[off:])
-			if err != nil {
-				return fmt.Errorf("record at body offset %d: %w", off, err)
-			}
-			if pass == 1 {
-				fn(r)
-			}
-			off += n
+// DecodeRecords appends the records of a frame body to recs. If any record
+// is malformed it returns recs unchanged and an error: a frame applies
+// entirely or not at all.
+func DecodeRecords(body []byte, recs []Record) ([]Record, error) {
+	n := len(recs)
+	for off := 0; off < len(body); {
+		r, w, err := decodeRecord(body[off:])
+		if err != nil {
+			return recs[:n], fmt.Errorf("record at body offset %d: %w", off, err)
 		}
+		recs = append(recs, r)
+		off += w
 	}
-	return nil
+	return recs, nil
 }
 
 func decodeRecord(b []byte) (Record, int, error) {

@@ -40,8 +40,8 @@ func TestRecordsRoundTrip(t *testing.T) {
 			} else {
 				b = AppendRelease(nil, string(tt.want.Operation), string(tt.want.Key))
 			}
-			var got []Record
-			require.NoError(t, DecodeRecords(append(b, b...), func(r Record) { got = append(got, r) }))
+			got, err := DecodeRecords(append(b, b...), nil)
+			require.NoError(t, err)
 			assert.Equal(t, []Record{tt.want, tt.want}, got)
 		})
 	}
@@ -64,9 +64,10 @@ func TestDecodeRecordsRejects(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			called := false
-			assert.Error(t, DecodeRecords(tt.body, func(Record) { called = true }))
-			assert.False(t, called, "no record is delivered from a malformed body")
+			prior := []Record{{Kind: KindRelease}}
+			got, err := DecodeRecords(tt.body, prior)
+			assert.Error(t, err)
+			assert.Equal(t, prior, got, "no record is delivered from a malformed body")
 		})
 	}
 }
@@ -148,11 +149,12 @@ func FuzzScan(f *testing.F) {
 			case err != nil:
 				t.Fatal(err)
 			default:
-				_ = DecodeRecords(body, func(r Record) {
+				recs, _ := DecodeRecords(body, nil)
+				for _, r := range recs {
 					if len(r.Operation) == 0 || len(r.Key) == 0 {
 						t.Fatal("empty field decoded")
 					}
-				})
+				}
 			}
 		}
 	})
