@@ -300,6 +300,8 @@ func TestKeyStoreChild(t *testing.T) {
 		}
 	case "crash":
 		crashChild(path)
+	case "restart-a", "restart-b":
+		restartChild(mode, path)
 	default:
 		fmt.Println("unknown mode", mode)
 	}
