@@ -215,7 +215,6 @@ func (s *server) times(order string) int {
 	return s.ledger[order]
 }
 
-
 // lockedWriter serialises writes from this process and the copies of the
 // children's output.
 type lockedWriter struct {
