@@ -427,57 +427,69 @@ func frameOffsets(t *testing.T, path string) []int64 {
 	}
 }
 
-func TestFileKeyStoreGroupCommit(t *testing.T) {
-	const callers = 64
-	ctx := context.Background()
-	p := filepath.Join(t.TempDir(), "keys")
-	s := openTestStore(t, p)
+// queueBehindFlusher makes n calls while the file is busy, so that they all
+// queue, then lets them through and returns their errors.
+func queueBehindFlusher(s *FileKeyStore, n int, call func(i int) error) []error {
 	release := holdFlusher(s)
+	errs := make([]error, n)
 	var wg sync.WaitGroup
-	errs := make([]error, callers)
-	for i := range callers {
-		wg.Go(func() { _, errs[i] = s.Acquire(ctx, fmt.Sprint("op-", i), fmt.Sprint("key-", i)) })
+	for i := range n {
+		wg.Go(func() { errs[i] = call(i) })
 	}
-	waitQueued(s, callers)
+	waitQueued(s, n)
 	release()
 	wg.Wait()
-	for i, err := range errs {
-		require.NoError(t, err, "caller %d", i)
-	}
-	require.NoError(t, s.Close())
-	assert.Equal(t, 1, frameCount(t, p), "all callers shared one write and fsync")
+	return errs
 }
 
-func TestFileKeyStoreSyncEachOp(t *testing.T) {
-	const callers = 8
-	ctx := context.Background()
-	p := filepath.Join(t.TempDir(), "keys")
-	s := openTestStore(t, p, withSyncEachOp())
-	release := holdFlusher(s)
-	var wg sync.WaitGroup
-	for i := range callers {
-		wg.Go(func() { _, _ = s.Acquire(ctx, fmt.Sprint("op-", i), "k") })
-	}
-	waitQueued(s, callers)
-	release()
-	wg.Wait()
-	require.NoError(t, s.Close())
-	assert.Equal(t, callers, frameCount(t, p), "one frame and fsync per record")
-}
-
-func TestFileKeyStoreCancelWhileWaiting(t *testing.T) {
-	ctx := context.Background()
-	s := openTestStore(t, filepath.Join(t.TempDir(), "keys"))
-	release := holdFlusher(s)
-	cctx, cancel := context.WithCancel(ctx)
+// abandonAcquire queues an Acquire behind a busy flusher and cancels it.
+// The file stays busy until release is called.
+func abandonAcquire(t *testing.T, s *FileKeyStore, op, key string) (release func()) {
+	t.Helper()
+	release = holdFlusher(s)
+	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error)
 	go func() {
-		_, err := s.Acquire(cctx, "a", "k1")
+		_, err := s.Acquire(ctx, op, key)
 		done <- err
 	}()
 	waitQueued(s, 1)
 	cancel()
 	assert.ErrorIs(t, <-done, context.Canceled)
+	return release
+}
+
+func TestFileKeyStoreCommits(t *testing.T) {
+	const callers = 64
+	tests := []struct {
+		name   string
+		opts   []FileOption
+		frames int
+	}{
+		{"group commit: one write and fsync for all", nil, 1},
+		{"fsync per op: one each", []FileOption{withSyncEachOp()}, callers},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := filepath.Join(t.TempDir(), "keys")
+			s := openTestStore(t, p, tt.opts...)
+			errs := queueBehindFlusher(s, callers, func(i int) error {
+				_, err := s.Acquire(context.Background(), fmt.Sprint("op-", i), fmt.Sprint("key-", i))
+				return err
+			})
+			for i, err := range errs {
+				require.NoError(t, err, "caller %d", i)
+			}
+			require.NoError(t, s.Close())
+			assert.Equal(t, tt.frames, frameCount(t, p))
+		})
+	}
+}
+
+func TestFileKeyStoreCancelWhileWaiting(t *testing.T) {
+	ctx := context.Background()
+	s := openTestStore(t, filepath.Join(t.TempDir(), "keys"))
+	release := abandonAcquire(t, s, "a", "k1")
 	assert.Empty(t, pendingMap(t, s), "not durable, not listed")
 	release()
 
@@ -489,20 +501,9 @@ func TestFileKeyStoreCancelWhileWaiting(t *testing.T) {
 }
 
 func TestFileKeyStoreCloseFlushesQueue(t *testing.T) {
-	ctx := context.Background()
 	p := filepath.Join(t.TempDir(), "keys")
 	s := openTestStore(t, p)
-	release := holdFlusher(s)
-	cctx, cancel := context.WithCancel(ctx)
-	done := make(chan error)
-	go func() {
-		_, err := s.Acquire(cctx, "a", "k")
-		done <- err
-	}()
-	waitQueued(s, 1)
-	cancel()
-	<-done
-	release()
+	abandonAcquire(t, s, "a", "k")()
 	require.NoError(t, s.Close())
 	s = openTestStore(t, p)
 	assert.Equal(t, map[string]string{"a": "k"}, pendingMap(t, s), "Close wrote the abandoned record")
