@@ -39,6 +39,7 @@ type CorruptError struct {
 	Reason string
 }
 
+// Error describes the damage, with the path and the offset.
 func (e *CorruptError) Error() string {
 	return fmt.Sprintf("idemhttp: key store %s is corrupt at offset %d: %s", e.Path, e.Offset, e.Reason)
 }
@@ -103,6 +104,10 @@ type FileRecovery struct {
 // grows with concurrency. Released records are compacted away in the
 // background by rewriting the live ones to a temporary file that atomically
 // replaces the store.
+//
+// If a write or an fsync fails, nothing can be known about what reached the
+// disk, so the store fails every later call with that error; reopening the
+// file recovers what is there.
 //
 // Only one FileKeyStore at a time, in any process, may have a file open;
 // the file format is described in docs/keystore-format.md. A FileKeyStore
@@ -436,8 +441,9 @@ func (s *FileKeyStore) Release(ctx context.Context, operation, key string) error
 	return s.waitLocked(ctx, s.releaseSeq)
 }
 
-// Pending implements [KeyStore]. Operations whose key is older than the
-// [WithStaleAfter] age are marked Stale.
+// Pending implements [KeyStore]. It lists only keys already on stable
+// storage, not those an Acquire is still waiting for. Operations whose key
+// is older than the [WithStaleAfter] age are marked Stale.
 func (s *FileKeyStore) Pending(ctx context.Context) ([]PendingOperation, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
