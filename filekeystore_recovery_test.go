@@ -13,9 +13,9 @@ import (
 	"github.com/idemhttp/idemhttp/internal/keylog"
 )
 
-// buildStore writes steps to a new store, one frame per step, and returns
+// buildStore writes steps to a new store, one frame per storeStep, and returns
 // its path.
-func buildStore(t *testing.T, steps []step) string {
+func buildStore(t *testing.T, steps []storeStep) string {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "keys")
 	s, err := OpenFileKeyStore(p)
@@ -49,11 +49,11 @@ func fileSize(t *testing.T, path string) int64 {
 }
 
 func TestFileKeyStoreTrimsTornTail(t *testing.T) {
-	earlier := []step{acq("a", "ka", "ka"), acq("b", "kb", "kb"), acq("c", "kc", "kc"), rel("b", "kb")}
+	earlier := []storeStep{acq("a", "ka", "ka"), acq("b", "kb", "kb"), acq("c", "kc", "kc"), rel("b", "kb")}
 	want := map[string]string{"a": "ka", "c": "kc"}
 	tests := []struct {
 		name string
-		last step
+		last storeStep
 	}{
 		{"last record an acquire", acq("d", "kd", "kd")},
 		{"last record a release", rel("a", "ka")},
@@ -79,7 +79,7 @@ func TestFileKeyStoreTrimsTornTail(t *testing.T) {
 }
 
 func TestFileKeyStoreTrimsGarbageTail(t *testing.T) {
-	p := buildStore(t, []step{acq("a", "ka", "ka")})
+	p := buildStore(t, []storeStep{acq("a", "ka", "ka")})
 	data, err := os.ReadFile(p)
 	require.NoError(t, err)
 	tests := []struct {
@@ -106,7 +106,7 @@ func TestFileKeyStoreTrimsGarbageTail(t *testing.T) {
 
 func TestFileKeyStoreDetectsCorruption(t *testing.T) {
 	// Five frames; every byte of the second one is damaged in turn.
-	var steps []step
+	var steps []storeStep
 	for i := range 5 {
 		steps = append(steps, acq(fmt.Sprint("op", i), fmt.Sprint("key", i), fmt.Sprint("key", i)))
 	}
@@ -146,7 +146,7 @@ func TestFileKeyStoreDetectsCorruption(t *testing.T) {
 }
 
 func TestFileKeyStoreCorruptHeader(t *testing.T) {
-	p := buildStore(t, []step{acq("a", "ka", "ka")})
+	p := buildStore(t, []storeStep{acq("a", "ka", "ka")})
 	data, err := os.ReadFile(p)
 	require.NoError(t, err)
 	for at := range keylog.HeaderSize {
@@ -167,7 +167,7 @@ func TestFileKeyStoreCorruptHeader(t *testing.T) {
 // This is the one place a flipped bit loses a record silently, and the
 // reason every acknowledged record is behind an fsync.
 func TestFileKeyStoreDamagedLastFrameIsTrimmed(t *testing.T) {
-	p := buildStore(t, []step{acq("a", "ka", "ka"), acq("b", "kb", "kb")})
+	p := buildStore(t, []storeStep{acq("a", "ka", "ka"), acq("b", "kb", "kb")})
 	data, err := os.ReadFile(p)
 	require.NoError(t, err)
 	data[len(data)-1] ^= 0xff

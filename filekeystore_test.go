@@ -61,29 +61,29 @@ func reopen(t testing.TB, s *FileKeyStore, opts ...FileOption) *FileKeyStore {
 	return openTestStore(t, s.Path(), opts...)
 }
 
-type step struct {
+type storeStep struct {
 	release bool
 	op, key string
 	want    string // key Acquire must return
 }
 
-func acq(op, key, want string) step { return step{op: op, key: key, want: want} }
-func rel(op, key string) step       { return step{release: true, op: op, key: key} }
+func acq(op, key, want string) storeStep { return storeStep{op: op, key: key, want: want} }
+func rel(op, key string) storeStep       { return storeStep{release: true, op: op, key: key} }
 
 func TestFileKeyStoreAcquireRelease(t *testing.T) {
 	tests := []struct {
 		name    string
-		steps   []step
+		steps   []storeStep
 		pending map[string]string
 	}{
-		{"new key recorded", []step{acq("a", "k1", "k1")}, map[string]string{"a": "k1"}},
-		{"pending key wins over candidate", []step{acq("a", "k1", "k1"), acq("a", "k2", "k1")}, map[string]string{"a": "k1"}},
-		{"release forgets", []step{acq("a", "k1", "k1"), rel("a", "k1")}, map[string]string{}},
-		{"new key after release", []step{acq("a", "k1", "k1"), rel("a", "k1"), acq("a", "k2", "k2")}, map[string]string{"a": "k2"}},
-		{"release of another key is ignored", []step{acq("a", "k1", "k1"), rel("a", "old")}, map[string]string{"a": "k1"}},
-		{"release of unknown operation", []step{rel("zzz", "k")}, map[string]string{}},
-		{"operations are independent", []step{acq("a", "k1", "k1"), acq("b", "k2", "k2"), rel("a", "k1")}, map[string]string{"b": "k2"}},
-		{"longest id", []step{acq(strings.Repeat("x", MaxOperationIDLen), "k", "k")}, map[string]string{strings.Repeat("x", MaxOperationIDLen): "k"}},
+		{"new key recorded", []storeStep{acq("a", "k1", "k1")}, map[string]string{"a": "k1"}},
+		{"pending key wins over candidate", []storeStep{acq("a", "k1", "k1"), acq("a", "k2", "k1")}, map[string]string{"a": "k1"}},
+		{"release forgets", []storeStep{acq("a", "k1", "k1"), rel("a", "k1")}, map[string]string{}},
+		{"new key after release", []storeStep{acq("a", "k1", "k1"), rel("a", "k1"), acq("a", "k2", "k2")}, map[string]string{"a": "k2"}},
+		{"release of another key is ignored", []storeStep{acq("a", "k1", "k1"), rel("a", "old")}, map[string]string{"a": "k1"}},
+		{"release of unknown operation", []storeStep{rel("zzz", "k")}, map[string]string{}},
+		{"operations are independent", []storeStep{acq("a", "k1", "k1"), acq("b", "k2", "k2"), rel("a", "k1")}, map[string]string{"b": "k2"}},
+		{"longest id", []storeStep{acq(strings.Repeat("x", MaxOperationIDLen), "k", "k")}, map[string]string{strings.Repeat("x", MaxOperationIDLen): "k"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
