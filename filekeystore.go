@@ -304,6 +304,7 @@ func (s *FileKeyStore) load() error {
 		}
 		break
 	}
+	s.countLiveBytes()
 	if len(s.recovery.Skipped) > 0 {
 		// Rewrite now, so the damage is gone before anything is appended
 		// after it and the next strict open succeeds.
@@ -347,20 +348,22 @@ func (s *FileKeyStore) trim(off, size int64) error {
 func (s *FileKeyStore) replay(r keylog.Record) {
 	switch r.Kind {
 	case keylog.KindAcquire:
-		if old, ok := s.entries[string(r.Operation)]; ok {
-			s.liveBytes -= int64(keylog.AcquireSize(len(r.Operation), len(old.key())))
-			// Assigning to an existing key keeps the old key string, which
-			// the new value's key length does not describe.
-			delete(s.entries, string(r.Operation))
-		}
+		// A later acquire replaces an earlier one. One map write, no lookup:
+		// this is most of what opening a large store does.
 		op, e := newEntry(string(r.Operation), string(r.Key), r.Created)
 		s.entries[op] = e
-		s.liveBytes += int64(keylog.AcquireSize(len(r.Operation), len(r.Key)))
 	case keylog.KindRelease:
 		if e, ok := s.entries[string(r.Operation)]; ok && e.key() == string(r.Key) {
 			delete(s.entries, string(r.Operation))
-			s.liveBytes -= int64(keylog.AcquireSize(len(r.Operation), len(r.Key)))
 		}
+	}
+}
+
+// countLiveBytes sets liveBytes from the entries.
+func (s *FileKeyStore) countLiveBytes() {
+	s.liveBytes = 0
+	for op, e := range s.entries {
+		s.liveBytes += int64(keylog.AcquireSize(len(op), len(e.key())))
 	}
 }
 
