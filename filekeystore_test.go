@@ -208,6 +208,19 @@ func TestOpenFileKeyStoreErrors(t *testing.T) {
 	}
 }
 
+func TestOpenFileKeyStoreReadOnlyDirectory(t *testing.T) {
+	if os.Geteuid() == 0 || runtime.GOOS == "windows" {
+		t.Skip("needs a user that permissions apply to")
+	}
+	dir := t.TempDir()
+	require.NoError(t, os.Chmod(dir, 0o500))
+	t.Cleanup(func() { os.Chmod(dir, 0o700) })
+	p := filepath.Join(dir, "keys")
+	_, err := OpenFileKeyStore(p)
+	require.ErrorIs(t, err, os.ErrPermission)
+	assert.Contains(t, err.Error(), p)
+}
+
 func TestOpenFileKeyStoreUnsupportedVersion(t *testing.T) {
 	// A well-formed header of another version.
 	h := []byte(keylog.Magic + "\x02\x00\x00\x00")
