@@ -40,6 +40,11 @@
 // 4xx that is not retryable), so a later call for the same operation, in this
 // process or the next, sends the same key.
 //
+// The default [MemoryKeyStore] forgets everything when the process exits. A
+// [FileKeyStore], from [OpenFileKeyStore], keeps pending keys in a file that
+// survives crashes and power loss; after a restart, [FileKeyStore.Pending]
+// lists the operations left unfinished, oldest first, to be sent again.
+//
 // # Retry budgets, circuit breakers and rate limits
 //
 // Retries multiply load exactly when a server can least take it. Each host

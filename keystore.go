@@ -73,6 +73,10 @@ func ValidateOperation(id string) error {
 // the process but not a restart; use a file store where they must. The zero
 // value is ready to use.
 type MemoryKeyStore struct {
+	// StaleAfter, if positive, makes Pending mark operations whose key is
+	// older than StaleAfter as Stale. Set it before the store is used.
+	StaleAfter time.Duration
+
 	mu      sync.Mutex
 	pending map[string]PendingOperation
 	now     func() time.Time // nil means time.Now
@@ -117,7 +121,8 @@ func (s *MemoryKeyStore) Release(ctx context.Context, operation, key string) err
 	return nil
 }
 
-// Pending implements [KeyStore].
+// Pending implements [KeyStore]. Operations older than StaleAfter are marked
+// Stale.
 func (s *MemoryKeyStore) Pending(ctx context.Context) ([]PendingOperation, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -128,6 +133,11 @@ func (s *MemoryKeyStore) Pending(ctx context.Context) ([]PendingOperation, error
 		out = append(out, p)
 	}
 	s.mu.Unlock()
+	now := time.Now
+	if s.now != nil {
+		now = s.now
+	}
+	markStale(out, s.StaleAfter, now())
 	sortPending(out)
 	return out, nil
 }

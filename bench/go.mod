@@ -8,6 +8,7 @@ require (
 	github.com/failsafe-go/failsafe-go v0.9.8
 	github.com/hashicorp/go-retryablehttp v0.7.8
 	github.com/idemhttp/idemhttp v0.0.0-00010101000000-000000000000
+	go.etcd.io/bbolt v1.5.0
 )
 
 require (
@@ -16,5 +17,6 @@ require (
 	github.com/hashicorp/go-cleanhttp v0.5.2 // indirect
 	github.com/influxdata/tdigest v0.0.1 // indirect
 	github.com/sony/gobreaker/v2 v2.4.0 // indirect
+	golang.org/x/sys v0.45.0 // indirect
 	golang.org/x/time v0.15.0 // indirect
 )

@@ -1,0 +1,225 @@
+package idemhttp
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// crashIterationsEnv raises (or lowers) the number of kills in
+// TestFileKeyStoreSurvivesKill.
+const crashIterationsEnv = "IDEMHTTP_CRASH_ITERATIONS"
+
+// crashWorkers is how many goroutines the crash child runs.
+const crashWorkers = 8
+
+// crashChild records keys as fast as it can until it is killed. Worker w
+// acquires operation <prefix>-w-n for n = 0, 1, 2, ... with key k-<op>,
+// printing "A <op>" once Acquire returned nil, and releases every even n,
+// printing "R <op>" once Release returned nil. A tiny compaction threshold
+// makes kills land inside compactions too.
+func crashChild(arg string) {
+	path, prefix, _ := strings.Cut(arg, "|")
+	s, err := OpenFileKeyStore(path, withCompactMinSize(16<<10))
+	if err != nil {
+		fmt.Println("error:", err)
+		return
+	}
+	var out sync.Mutex
+	say := func(line string) {
+		out.Lock()
+		os.Stdout.WriteString(line + "\n") // one write per line, unbuffered
+		out.Unlock()
+	}
+	say("ready")
+	ctx := context.Background()
+	deadline := time.Now().Add(time.Minute) // in case the parent is gone
+	var wg sync.WaitGroup
+	for w := range crashWorkers {
+		wg.Go(func() {
+			for n := 0; time.Now().Before(deadline); n++ {
+				op := fmt.Sprintf("%s-%d-%d", prefix, w, n)
+				if _, err := s.Acquire(ctx, op, "k-"+op); err != nil {
+					say("error: " + err.Error())
+					return
+				}
+				say("A " + op)
+				if n%2 == 0 {
+					if err := s.Release(ctx, op, "k-"+op); err != nil {
+						say("error: " + err.Error())
+						return
+					}
+					say("R " + op)
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// crashModel is what the parent knows about the store.
+type crashModel struct {
+	present map[string]bool // operations that must be pending (key k-<op>)
+	absent  map[string]bool // operations that must not be pending
+}
+
+func TestFileKeyStoreSurvivesKill(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs child processes")
+	}
+	iterations := 30
+	if v := os.Getenv(crashIterationsEnv); v != "" {
+		n, err := strconv.Atoi(v)
+		require.NoError(t, err, crashIterationsEnv)
+		iterations = n
+	}
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 0))
+	path := filepath.Join(t.TempDir(), "keys")
+	model := crashModel{present: map[string]bool{}, absent: map[string]bool{}}
+	for i := range iterations {
+		killAfter := rng.IntN(400) // acknowledgements to wait for; 0 kills during open
+		prefix := fmt.Sprintf("i%d", i)
+		acked := runCrashChild(t, path, prefix, killAfter)
+		checkAfterCrash(t, path, prefix, acked, &model)
+		if t.Failed() {
+			t.Fatalf("iteration %d (seed %d, kill after %d acknowledgements)", i, seed, killAfter)
+		}
+	}
+}
+
+// runCrashChild starts a crash child, kills it with SIGKILL after
+// killAfter acknowledgements and returns every line it printed.
+func runCrashChild(t *testing.T, path, prefix string, killAfter int) []string {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestKeyStoreChild$", "-test.count=1")
+	cmd.Env = append(os.Environ(), childEnv+"=crash:"+path+"|"+prefix)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	var lines []string
+	killed := false
+	kill := func() {
+		if !killed {
+			killed = true
+			require.NoError(t, cmd.Process.Kill())
+		}
+	}
+	if killAfter == 0 {
+		kill()
+	}
+	sc := bufio.NewScanner(stdout)
+	acks := 0
+	for sc.Scan() {
+		line := sc.Text()
+		lines = append(lines, line)
+		if strings.HasPrefix(line, "error") {
+			kill()
+			t.Errorf("child: %s", line)
+		}
+		if strings.HasPrefix(line, "A ") || strings.HasPrefix(line, "R ") {
+			if acks++; acks >= killAfter {
+				kill()
+			}
+		}
+	}
+	kill()
+	err = cmd.Wait()
+	require.Error(t, err, "the child must die of SIGKILL; stderr: %s", stderr.String())
+	return lines
+}
+
+// checkAfterCrash opens the store the killed child left and checks it
+// against the acknowledgements and the model, then folds this iteration
+// into the model.
+func checkAfterCrash(t *testing.T, path, prefix string, lines []string, m *crashModel) {
+	t.Helper()
+	s, err := OpenFileKeyStore(path)
+	require.NoError(t, err, "process death releases the lock and leaves a readable store")
+	defer func() { require.NoError(t, s.Close()) }()
+	pending := pendingMap(t, s)
+
+	acquired, released := map[string]bool{}, map[string]bool{}
+	last := map[int]int{} // worker -> highest n acknowledged
+	for _, line := range lines {
+		kind, op, ok := strings.Cut(line, " ")
+		if !ok {
+			continue
+		}
+		w, n := parseCrashOp(t, prefix, op)
+		last[w] = max(last[w], n+1) // stored +1 so that 0 means none
+		if kind == "A" {
+			acquired[op] = true
+		} else {
+			released[op] = true
+		}
+	}
+	for op := range acquired {
+		if released[op] {
+			assert.NotContains(t, pending, op, "acknowledged release came back")
+			m.absent[op] = true
+		} else if n := crashN(t, prefix, op); n%2 == 1 {
+			if assert.Contains(t, pending, op, "acknowledged key lost") {
+				assert.Equal(t, "k-"+op, pending[op], "acknowledged key changed")
+			}
+		}
+	}
+	for op := range m.present {
+		if assert.Contains(t, pending, op, "key lost in a later crash") {
+			assert.Equal(t, "k-"+op, pending[op])
+		}
+	}
+	for op := range m.absent {
+		assert.NotContains(t, pending, op, "released key came back in a later crash")
+	}
+	for op, key := range pending {
+		assert.Equal(t, "k-"+op, key, "key invented for %s", op)
+		if !strings.HasPrefix(op, prefix+"-") {
+			assert.True(t, m.present[op], "operation %s invented", op)
+			continue
+		}
+		// A worker can have made durable at most one operation beyond the
+		// last it acknowledged.
+		w, n := parseCrashOp(t, prefix, op)
+		assert.LessOrEqual(t, n, last[w], "operation %s never attempted", op)
+		m.present[op] = true // what is here now must stay
+	}
+	for op := range acquired {
+		if !m.present[op] {
+			m.absent[op] = true
+		}
+	}
+}
+
+func parseCrashOp(t *testing.T, prefix, op string) (worker, n int) {
+	t.Helper()
+	rest, ok := strings.CutPrefix(op, prefix+"-")
+	require.True(t, ok, "operation %q of another child", op)
+	ws, ns, ok := strings.Cut(rest, "-")
+	require.True(t, ok, op)
+	worker, err := strconv.Atoi(ws)
+	require.NoError(t, err, op)
+	n, err = strconv.Atoi(ns)
+	require.NoError(t, err, op)
+	return worker, n
+}
+
+func crashN(t *testing.T, prefix, op string) int {
+	_, n := parseCrashOp(t, prefix, op)
+	return n
+}
