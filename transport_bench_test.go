@@ -119,3 +119,35 @@ func serveForBenchmark() {
 	}))
 	_, _ = io.Copy(io.Discard, os.Stdin)
 }
+
+// BenchmarkTransportOverhead isolates what idemhttp itself costs per
+// request: the base transport answers at once from memory, so nothing but
+// the wrapper's own work is measured, without the network's noise.
+func BenchmarkTransportOverhead(b *testing.B) {
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		return &http.Response{StatusCode: 200, Header: http.Header{}, Body: http.NoBody, Request: r}, nil
+	})
+	payload := bytes.Repeat([]byte("p"), 1024)
+	for _, method := range []string{"GET", "POST"} {
+		for _, impl := range []struct {
+			name string
+			rt   http.RoundTripper
+		}{{"bare", base}, {"idemhttp", NewTransport(base)}} {
+			b.Run("req="+method+"/impl="+impl.name, func(b *testing.B) {
+				b.ReportAllocs()
+				for b.Loop() {
+					var body io.Reader
+					if method == "POST" {
+						body = bytes.NewReader(payload)
+					}
+					req, _ := http.NewRequest(method, "https://api.example.com/v1/charges", body)
+					resp, err := impl.rt.RoundTrip(req)
+					if err != nil {
+						b.Fatal(err)
+					}
+					resp.Body.Close()
+				}
+			})
+		}
+	}
+}
