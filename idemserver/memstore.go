@@ -2,9 +2,8 @@ package idemserver
 
 import (
 	"context"
-	"encoding/binary"
 	"hash/maphash"
-	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -33,11 +32,13 @@ const (
 // fails with [ErrStoreFull], which the middleware answers with 503.
 //
 // Expiry is lazy: an expired record is removed when it is next claimed or
-// when its room is needed, so the store runs no goroutine. Completed
-// responses are kept packed into one pointer-free block each, which the
-// garbage collector does not have to scan, and every Claim that finds one
-// returns a fresh copy. The zero value is an empty store with the default
-// limits, ready to use.
+// when its room is needed, so the store runs no goroutine. A completed
+// record is kept as one string holding its key and packed response, in a
+// slot of an array indexed by a map without pointers, so that a full store
+// costs the garbage collector one object per record to mark and nothing to
+// scan but the arrays; every Claim that finds a completed record returns a
+// fresh copy of its response. The zero value is an empty store with the
+// default limits, ready to use.
 type MemoryStore struct {
 	once       sync.Once
 	seed       maphash.Seed
@@ -74,37 +75,6 @@ func NewMemoryStore(opts ...MemoryOption) *MemoryStore {
 	return s
 }
 
-type memShard struct {
-	mu      sync.Mutex
-	records map[Key]*memEntry
-	limit   int
-	// head and tail list the completed records, oldest completion first.
-	head, tail *memEntry
-	_          [24]byte // keeps neighbouring shards' locks off one cache line
-}
-
-type memEntry struct {
-	key Key
-	rec Record // without its Response, which is kept encoded in resp
-	// resp is the encoded response of a completed record, nil while it is
-	// in progress: one pointer-free block per record, which the garbage
-	// collector need not scan, where a Response with its header map would
-	// cost it several objects to mark.
-	resp       []byte
-	prev, next *memEntry
-}
-
-func (e *memEntry) completed() bool { return e.resp != nil }
-
-// record returns the entry's record with its response decoded.
-func (e *memEntry) record() Record {
-	r := e.rec
-	if e.resp != nil {
-		r.Response = decodeResponse(e.resp)
-	}
-	return r
-}
-
 func (s *MemoryStore) init() {
 	s.once.Do(func() {
 		if s.maxEntries < 1 {
@@ -122,92 +92,118 @@ func (s *MemoryStore) init() {
 		s.mask = uint64(n - 1)
 		limit := (s.maxEntries + n - 1) / n
 		for i := range s.shards {
-			s.shards[i].records = make(map[Key]*memEntry)
-			s.shards[i].limit = limit
+			s.shards[i].init(limit)
 		}
 	})
 }
 
-func (s *MemoryStore) shard(k Key) *memShard {
+// locate returns the shard of k and the hash that indexes k there.
+func (s *MemoryStore) locate(k Key) (*memShard, uint64) {
 	s.init()
 	var h maphash.Hash
 	h.SetSeed(s.seed)
 	h.WriteString(k.Scope)
 	h.WriteByte(0)
 	h.WriteString(k.Key)
-	return &s.shards[h.Sum64()&s.mask]
+	sum := h.Sum64()
+	return &s.shards[sum&s.mask], sum
 }
 
 // Claim implements [Store].
 func (s *MemoryStore) Claim(ctx context.Context, c Claim) (ClaimResult, error) {
-	return s.claim(ctx, c, false, "")
+	res, _, err := s.claim(ctx, c, false, "", true)
+	return res, err
 }
 
 // TakeOver implements [Store].
 func (s *MemoryStore) TakeOver(ctx context.Context, c Claim, expiredToken string) (ClaimResult, error) {
-	return s.claim(ctx, c, true, expiredToken)
+	res, _, err := s.claim(ctx, c, true, expiredToken, true)
+	return res, err
 }
 
-func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string) (ClaimResult, error) {
+// claimPacked is Claim, or TakeOver if takeOver is set, for the
+// middleware: a completed record's response comes back packed, as the
+// second result, instead of as Record.Response, so that a replay can write
+// it without decoding it first.
+func (s *MemoryStore) claimPacked(ctx context.Context, c Claim, takeOver bool, expiredToken string) (ClaimResult, string, error) {
+	return s.claim(ctx, c, takeOver, expiredToken, false)
+}
+
+func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string, decode bool) (ClaimResult, string, error) {
 	if err := ctx.Err(); err != nil {
-		return ClaimResult{}, err
+		return ClaimResult{}, "", err
 	}
-	sh := s.shard(c.Key)
+	sh, h := s.locate(c.Key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if s.closed.Load() {
-		return ClaimResult{}, ErrClosed
+		return ClaimResult{}, "", ErrClosed
 	}
-	fresh := Record{Fingerprint: c.Fingerprint, Token: c.Token, LeaseExpires: c.LeaseExpires}
-	if e := sh.records[c.Key]; e != nil {
+	if i := sh.find(h, c.Key); i != none {
+		e := &sh.slots[i]
 		switch {
-		case e.completed() && !c.Now.Before(e.rec.Expires):
-			sh.remove(e)
-		case takeOver && !e.completed() && e.rec.Token == expiredToken:
-			e.rec = fresh
-			return ClaimResult{Claimed: true}, nil
+		case e.completed && !c.Now.Before(e.expiresAt()):
+			sh.remove(i)
+		case takeOver && !e.completed && e.token == expiredToken:
+			e.fp, e.token, e.leaseExpires = c.Fingerprint, c.Token, c.LeaseExpires
+			return ClaimResult{Claimed: true}, "", nil
 		default:
-			return ClaimResult{Record: e.record()}, nil
+			rec := Record{Fingerprint: e.fp, Token: e.token, LeaseExpires: e.leaseExpires}
+			if !e.completed {
+				return ClaimResult{Record: rec}, "", nil
+			}
+			rec.Expires = e.expiresAt()
+			if !decode {
+				return ClaimResult{Record: rec}, e.response(), nil
+			}
+			rec.Response = unpack(e.response()).response()
+			return ClaimResult{Record: rec}, "", nil
 		}
 	}
-	if len(sh.records) >= sh.limit && !sh.evict(c.Now) {
-		return ClaimResult{}, ErrStoreFull
+	if sh.len >= sh.limit && !sh.evict(c.Now) {
+		return ClaimResult{}, "", ErrStoreFull
 	}
-	sh.records[c.Key] = &memEntry{key: c.Key, rec: fresh}
-	return ClaimResult{Claimed: true}, nil
+	sh.insert(h, c)
+	return ClaimResult{Claimed: true}, "", nil
 }
 
 // Complete implements [Store].
 func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
-	return s.leased(key, token, func(sh *memShard, e *memEntry) {
-		e.resp = encodeResponse(resp)
-		e.rec.Expires = expires
-		e.rec.Token = "" // a completed record has no lease
-		sh.pushCompleted(e)
-	})
+	return s.completePacked(key, token, partsOf(resp, nil), expires)
+}
+
+// completePacked is Complete for a response the middleware has already
+// taken apart into the pieces of its packed form.
+func (s *MemoryStore) completePacked(key Key, token string, p packedParts, expires time.Time) error {
+	// The record's one block is built before the lock is taken: the key
+	// again, then the response.
+	var b strings.Builder
+	b.Grow(packedKeyLen(key) + p.size())
+	writePackedKey(&b, key)
+	p.writeTo(&b)
+	data := b.String()
+
+	sh, h := s.locate(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	i, err := sh.leased(s, h, key, token)
+	if err != nil {
+		return err
+	}
+	sh.complete(i, data, expires)
+	return nil
 }
 
 // Release implements [Store].
 func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error {
-	return s.leased(key, token, func(sh *memShard, e *memEntry) {
-		delete(sh.records, key)
-	})
-}
-
-// leased calls f, under the lock of key's shard, with the in-progress
-// record of key, provided it still holds token.
-func (s *MemoryStore) leased(key Key, token string, f func(*memShard, *memEntry)) error {
-	sh := s.shard(key)
+	sh, h := s.locate(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if s.closed.Load() {
-		return ErrClosed
+	i, err := sh.leased(s, h, key, token)
+	if err != nil {
+		return err
 	}
-	e := sh.records[key]
-	if e == nil || e.completed() || e.rec.Token != token {
-		return ErrLeaseLost
-	}
-	f(sh, e)
+	sh.remove(i)
 	return nil
 }
 
@@ -219,7 +215,7 @@ func (s *MemoryStore) Len() int {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		n += len(sh.records)
+		n += sh.len
 		sh.mu.Unlock()
 	}
 	return n
@@ -234,132 +230,8 @@ func (s *MemoryStore) Close() error {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		clear(sh.records)
-		sh.head, sh.tail = nil, nil
+		sh.init(sh.limit)
 		sh.mu.Unlock()
 	}
 	return nil
-}
-
-// evict makes room for one record: it drops the expired records at the old
-// end of the completed list, or failing that the oldest completed record.
-// It reports false when there is no completed record to drop.
-func (sh *memShard) evict(now time.Time) bool {
-	if sh.head == nil {
-		return false
-	}
-	if now.Before(sh.head.rec.Expires) {
-		sh.remove(sh.head)
-		return true
-	}
-	for sh.head != nil && !now.Before(sh.head.rec.Expires) {
-		sh.remove(sh.head)
-	}
-	return true
-}
-
-func (sh *memShard) pushCompleted(e *memEntry) {
-	e.prev, e.next = sh.tail, nil
-	if sh.tail != nil {
-		sh.tail.next = e
-	} else {
-		sh.head = e
-	}
-	sh.tail = e
-}
-
-// remove deletes a completed record from the map and the list.
-func (sh *memShard) remove(e *memEntry) {
-	if e.prev != nil {
-		e.prev.next = e.next
-	} else {
-		sh.head = e.next
-	}
-	if e.next != nil {
-		e.next.prev = e.prev
-	} else {
-		sh.tail = e.prev
-	}
-	e.prev, e.next = nil, nil
-	delete(sh.records, e.key)
-}
-
-// encodeResponse packs resp into one block: the status, a flag, the header
-// fields as length-prefixed strings, and the body.
-func encodeResponse(resp *Response) []byte {
-	size := 3*binary.MaxVarintLen64 + len(resp.Body)
-	for k, vs := range resp.Header {
-		size += 2*binary.MaxVarintLen64 + len(k)
-		for _, v := range vs {
-			size += binary.MaxVarintLen64 + len(v)
-		}
-	}
-	b := make([]byte, 0, size)
-	b = binary.AppendUvarint(b, uint64(resp.Status))
-	omitted := uint64(0)
-	if resp.BodyOmitted {
-		omitted = 1
-	}
-	b = binary.AppendUvarint(b, omitted)
-	b = binary.AppendUvarint(b, uint64(len(resp.Header)))
-	for k, vs := range resp.Header {
-		b = binary.AppendUvarint(b, uint64(len(k)))
-		b = append(b, k...)
-		b = binary.AppendUvarint(b, uint64(len(vs)))
-		for _, v := range vs {
-			b = binary.AppendUvarint(b, uint64(len(v)))
-			b = append(b, v...)
-		}
-	}
-	return append(b, resp.Body...)
-}
-
-// decodeResponse unpacks what encodeResponse packed. The header strings
-// share one allocation; the body is part of b, which is never modified.
-func decodeResponse(b []byte) *Response {
-	i := 0
-	next := func() int {
-		v, n := binary.Uvarint(b[i:])
-		i += n
-		return int(v)
-	}
-	resp := &Response{Status: next(), BodyOmitted: next() == 1}
-	nkeys := next()
-	if nkeys > 0 {
-		// The header section, from here to the body, as one string.
-		start := i
-		values := 0
-		for range nkeys {
-			i += next()
-			nv := next()
-			values += nv
-			for range nv {
-				i += next()
-			}
-		}
-		text := string(b[start:i])
-		all := make([]string, values)
-		resp.Header = make(http.Header, nkeys)
-		i = start
-		str := func() string {
-			n := next()
-			s := text[i-start : i-start+n]
-			i += n
-			return s
-		}
-		for range nkeys {
-			k := str()
-			nv := next()
-			vs := all[:nv:nv]
-			all = all[nv:]
-			for j := range vs {
-				vs[j] = str()
-			}
-			resp.Header[k] = vs
-		}
-	}
-	if i < len(b) {
-		resp.Body = b[i:len(b):len(b)]
-	}
-	return resp
 }

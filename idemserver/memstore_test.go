@@ -153,10 +153,10 @@ func TestMemoryStoreEviction(t *testing.T) {
 		require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, expires))
 	}
 	present := func(s *MemoryStore, key string) bool {
-		sh := s.shard(Key{Key: key})
+		sh, h := s.locate(Key{Key: key})
 		sh.mu.Lock()
 		defer sh.mu.Unlock()
-		return sh.records[Key{Key: key}] != nil
+		return sh.find(h, Key{Key: key}) != none
 	}
 
 	t.Run("expired records go first, all of them", func(t *testing.T) {
@@ -285,4 +285,38 @@ func TestMemoryStoreKeepsResponsesIntact(t *testing.T) {
 			}
 		}
 	}
+}
+
+// Keys whose hashes collide share a chain of slots; each must be found,
+// completed and removed without disturbing the others.
+func TestMemShardHashCollisions(t *testing.T) {
+	now := newFakeClock().Now()
+	var sh memShard
+	sh.init(10)
+	const h = 42
+	keys := []Key{{Key: "a"}, {Key: "b"}, {Scope: "t", Key: "a"}, {Key: "c"}}
+	for _, k := range keys {
+		require.Equal(t, int32(none), sh.find(h, k))
+		sh.insert(h, Claim{Key: k, Token: "token-" + k.Scope + k.Key, Now: now})
+	}
+	for _, k := range keys {
+		i := sh.find(h, k)
+		require.NotEqual(t, int32(none), i, k)
+		assert.Equal(t, "token-"+k.Scope+k.Key, sh.slots[i].token)
+	}
+	// Remove from the middle, the head and the tail of the chain.
+	for _, k := range []Key{keys[1], keys[3], keys[0]} {
+		sh.remove(sh.find(h, k))
+		assert.Equal(t, int32(none), sh.find(h, k), k)
+	}
+	i := sh.find(h, keys[2])
+	require.NotEqual(t, int32(none), i)
+	sh.complete(i, sh.slots[i].data+packResponse(&Response{Status: 201}), now.Add(time.Hour))
+	assert.Equal(t, 201, unpack(sh.slots[i].response()).status)
+	sh.remove(i)
+	assert.Empty(t, sh.index)
+	assert.Equal(t, 0, sh.len)
+	// Freed slots are reused.
+	sh.insert(h, Claim{Key: Key{Key: "d"}, Now: now})
+	assert.Len(t, sh.slots, len(keys))
 }

@@ -1,0 +1,232 @@
+package idemserver
+
+import (
+	"encoding/binary"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+)
+
+// A packed response is the form in which the middleware holds back a
+// response and [MemoryStore] keeps it: one string, which the garbage
+// collector need not scan, and out of which a replay takes its header
+// fields and body without copying them.
+//
+//	status        uvarint
+//	flags         one byte; bit 0: the body was omitted
+//	fields length uvarint, the number of bytes of the fields that follow
+//	fields        per field: uvarint len(name), name, uvarint count of
+//	              values, then per value uvarint len(value), value
+//	body          the rest
+//
+// The fields carry their own length, rather than a count, so that the
+// recorder can append Content-Length once the body is known.
+type packedParts struct {
+	status  int
+	omitted bool
+	fields  []byte
+	body    []byte
+}
+
+// size returns the length of the packed form of p.
+func (p packedParts) size() int {
+	return uvarintLen(uint64(p.status)) + 1 + uvarintLen(uint64(len(p.fields))) + len(p.fields) + len(p.body)
+}
+
+// writeTo appends the packed form of p to b.
+func (p packedParts) writeTo(b *strings.Builder) {
+	writeUvarint(b, uint64(p.status))
+	flags := byte(0)
+	if p.omitted {
+		flags = 1
+	}
+	b.WriteByte(flags)
+	writeUvarint(b, uint64(len(p.fields)))
+	b.Write(p.fields)
+	b.Write(p.body)
+}
+
+// partsOf returns the parts of resp; its header fields are appended to
+// scratch, which may be nil.
+func partsOf(resp *Response, scratch []byte) packedParts {
+	return packedParts{
+		status:  resp.Status,
+		omitted: resp.BodyOmitted,
+		fields:  appendFields(scratch, resp.Header, nil),
+		body:    resp.Body,
+	}
+}
+
+// packResponse returns resp packed.
+func packResponse(resp *Response) string {
+	p := partsOf(resp, nil)
+	var b strings.Builder
+	b.Grow(p.size())
+	p.writeTo(&b)
+	return b.String()
+}
+
+// packed is the view of a packed response; its strings share the packed
+// string's memory.
+type packed struct {
+	status  int
+	omitted bool
+	fields  string
+	body    string
+}
+
+// unpack splits s, which packResponse or packedParts.writeTo made.
+func unpack(s string) packed {
+	i := 0
+	next := func() int {
+		v, n := uvarint(s[i:])
+		i += n
+		return int(v)
+	}
+	var p packed
+	p.status = next()
+	p.omitted = s[i]&1 != 0
+	i++
+	n := next()
+	p.fields = s[i : i+n]
+	p.body = s[i+n:]
+	return p
+}
+
+// appendFields appends the fields of h to b in packed form, leaving out
+// those for which drop reports true. A nil drop keeps them all.
+func appendFields(b []byte, h http.Header, drop func(string) bool) []byte {
+	for k, vs := range h {
+		if drop != nil && drop(k) {
+			continue
+		}
+		b = appendHeaderField(b, k, vs...)
+	}
+	return b
+}
+
+// appendHeaderField appends one field with its values to b in packed form.
+func appendHeaderField(b []byte, name string, values ...string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(name)))
+	b = append(b, name...)
+	b = binary.AppendUvarint(b, uint64(len(values)))
+	for _, v := range values {
+		b = binary.AppendUvarint(b, uint64(len(v)))
+		b = append(b, v...)
+	}
+	return b
+}
+
+// fieldsInto sets the packed fields in h, each replacing any values h had
+// for its name, and then sets the extra fields, given as name and value
+// pairs. The values are substrings of fields, and all of them share one
+// new array, so that a later Add to h cannot write into another field.
+func fieldsInto(h http.Header, fields string, extra ...string) {
+	values := len(extra) / 2
+	for i := 0; i < len(fields); {
+		n, w := uvarint(fields[i:])
+		i += w + int(n)
+		nv, w := uvarint(fields[i:])
+		i += w
+		values += int(nv)
+		for range nv {
+			n, w := uvarint(fields[i:])
+			i += w + int(n)
+		}
+	}
+	all := make([]string, values)
+	str := func(i *int) string {
+		n, w := uvarint(fields[*i:])
+		s := fields[*i+w : *i+w+int(n)]
+		*i += w + int(n)
+		return s
+	}
+	for i := 0; i < len(fields); {
+		k := str(&i)
+		nv, w := uvarint(fields[i:])
+		i += w
+		vs := all[:nv:nv]
+		all = all[nv:]
+		for j := range vs {
+			vs[j] = str(&i)
+		}
+		h[k] = vs
+	}
+	for j := 0; j+1 < len(extra); j += 2 {
+		all[0] = extra[j+1]
+		h[extra[j]] = all[:1:1]
+		all = all[1:]
+	}
+}
+
+// header returns the packed fields as a new header map, or nil if there
+// are none.
+func (p packed) header() http.Header {
+	if p.fields == "" {
+		return nil
+	}
+	h := make(http.Header)
+	fieldsInto(h, p.fields)
+	return h
+}
+
+// response returns the packed response as a Response. Its body is a copy.
+func (p packed) response() *Response {
+	resp := &Response{Status: p.status, BodyOmitted: p.omitted, Header: p.header()}
+	if p.body != "" {
+		resp.Body = []byte(p.body)
+	}
+	return resp
+}
+
+// replay writes a packed response, marked with [ReplayedHeader], without
+// copying its fields or body.
+func (p packed) replay(w http.ResponseWriter) {
+	h := w.Header()
+	if p.omitted {
+		h.Set(ReplayedHeader, "true")
+		writeProblem(w, ProblemResponseNotStored, p.status,
+			"the request was processed with status "+strconv.Itoa(p.status)+
+				", but its response was too large to keep for replay", "")
+		return
+	}
+	fieldsInto(h, p.fields, ReplayedHeader, "true")
+	if bodyAllowed(p.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
+		h["Content-Length"] = []string{strconv.Itoa(len(p.body))}
+	}
+	w.WriteHeader(p.status)
+	if p.body != "" {
+		_, _ = io.WriteString(w, p.body)
+	}
+}
+
+func uvarintLen(v uint64) int {
+	n := 1
+	for v >= 0x80 {
+		v >>= 7
+		n++
+	}
+	return n
+}
+
+func writeUvarint(b *strings.Builder, v uint64) {
+	var buf [binary.MaxVarintLen64]byte
+	b.Write(binary.AppendUvarint(buf[:0], v))
+}
+
+// uvarint decodes a uvarint at the start of s, as binary.Uvarint does for
+// a byte slice.
+func uvarint(s string) (uint64, int) {
+	var v uint64
+	var shift uint
+	for i := 0; i < len(s) && i < binary.MaxVarintLen64; i++ {
+		c := s[i]
+		if c < 0x80 {
+			return v | uint64(c)<<shift, i + 1
+		}
+		v |= uint64(c&0x7f) << shift
+		shift += 7
+	}
+	return 0, 0 // cannot happen: the string was packed by this file
+}
