@@ -61,8 +61,12 @@ func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	}
 	cfg := newConfig(opts)
 	tokens := newTokenSource()
+	// A MemoryStore is asked directly, for responses in packed form: the
+	// recorder's fields and body go into the store without first becoming
+	// a Response, and a replay is written from the stored string.
+	mem, _ := store.(*MemoryStore)
 	return func(next http.Handler) http.Handler {
-		return &handler{next: next, store: store, cfg: cfg, tokens: tokens}
+		return &handler{next: next, store: store, mem: mem, cfg: cfg, tokens: tokens}
 	}
 }
 
@@ -147,6 +151,7 @@ const (
 type handler struct {
 	next   http.Handler
 	store  Store
+	mem    *MemoryStore // store, if it is a MemoryStore
 	cfg    *config
 	tokens *tokenSource
 }
@@ -182,7 +187,9 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if cfg.scope != nil {
 		key.Scope = cfg.scope(r)
 	}
-	body, err := readBody(r.Body, r.ContentLength, cfg.maxBody)
+	bufs := getBuffers()
+	defer bufs.put()
+	body, err := readBody(r.Body, r.ContentLength, cfg.maxBody, bufs.reqBody)
 	switch {
 	case errors.Is(err, errBodyTooLarge):
 		m.reject(w, r, key, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge,
@@ -192,16 +199,16 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.reject(w, r, key, ProblemBodyUnreadable, http.StatusBadRequest, err.Error())
 		return
 	}
-	if r.Body != nil && r.Body != http.NoBody {
-		r.Body = &bodyReader{b: body}
+	if body != nil {
+		bufs.reqBody = body
 	}
 	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, body)
-	m.claim(w, r, key, fp)
+	m.claim(w, r, key, fp, bufs)
 }
 
 // claim claims key and acts on the answer: run the handler, replay, refuse
 // or wait.
-func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fingerprint) {
+func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fingerprint, bufs *buffers) {
 	cfg := m.cfg
 	ctx := r.Context()
 	newClaim := func() Claim {
@@ -209,7 +216,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		return Claim{Key: key, Fingerprint: fp, Token: m.tokens.next(), Now: now, LeaseExpires: now.Add(cfg.lease)}
 	}
 	c := newClaim()
-	res, err := m.store.Claim(ctx, c)
+	res, stored, err := m.claimIn(ctx, c, false, "")
 	var waited time.Duration
 	poll := firstPoll
 	takeOvers := 0
@@ -221,20 +228,21 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			m.run(w, r, key, c.Token, res.Context)
+			m.run(w, r, key, c.Token, res.Context, bufs)
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
 				"this idempotency key was used for a request with a different method, path, query or body")
 			return
-		case res.Record.Completed():
-			replay(w, res.Record.Response)
-			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReplayed, Status: res.Record.Response.Status})
+		case stored != "":
+			p := unpack(stored)
+			p.replay(w)
+			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReplayed, Status: p.status})
 			return
 		case !c.Now.Before(res.Record.LeaseExpires) && takeOvers < maxTakeOvers:
 			takeOvers++
 			c = newClaim()
-			res, err = m.store.TakeOver(ctx, c, res.Record.Token)
+			res, stored, err = m.claimIn(ctx, c, true, res.Record.Token)
 			continue
 		case waited < cfg.wait && ctx.Err() == nil:
 			d := min(poll, cfg.wait-waited)
@@ -244,7 +252,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			waited += d
 			poll = min(2*poll, maxPoll)
 			c = newClaim()
-			res, err = m.store.Claim(ctx, c)
+			res, stored, err = m.claimIn(ctx, c, false, "")
 			continue
 		}
 		writeProblem(w, ProblemInProgress, http.StatusConflict,
@@ -254,8 +262,31 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	}
 }
 
+// claimIn claims c.Key in the store, or takes over expiredToken's lease
+// if takeOver is set. A completed record's response comes back packed, as
+// stored, which is empty for any other answer.
+func (m *handler) claimIn(ctx context.Context, c Claim, takeOver bool, expiredToken string) (res ClaimResult, stored string, err error) {
+	if m.mem != nil {
+		return m.mem.claimPacked(ctx, c, takeOver, expiredToken)
+	}
+	if takeOver {
+		res, err = m.store.TakeOver(ctx, c, expiredToken)
+	} else {
+		res, err = m.store.Claim(ctx, c)
+	}
+	if err == nil && !res.Claimed && res.Record.Completed() {
+		stored = packResponse(res.Record.Response)
+	}
+	return res, stored, err
+}
+
 // run serves a claimed request and stores or releases its outcome.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, storeCtx context.Context) {
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, storeCtx context.Context, bufs *buffers) {
+	if r.Body != nil && r.Body != http.NoBody {
+		body := &bodyReader{b: bufs.reqBody}
+		defer body.release()
+		r.Body = body
+	}
 	if storeCtx != nil {
 		r = r.WithContext(storeCtx)
 	} else {
@@ -263,7 +294,9 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	}
 	// The outcome must be recorded even when the client has gone.
 	storeCtx = context.WithoutCancel(storeCtx)
-	rec := &recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders}
+	rec := &recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders,
+		fields: bufs.fields, body: bufs.respBody}
+	defer rec.release(bufs)
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on
@@ -277,12 +310,17 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 
 	if released(rec.status) {
 		err := m.store.Release(storeCtx, key, token)
-		rec.deliver(nil)
+		rec.deliver()
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err})
 		return
 	}
-	resp := rec.response()
-	err := m.store.Complete(storeCtx, key, token, resp, m.cfg.now().Add(m.cfg.ttl))
+	expires := m.cfg.now().Add(m.cfg.ttl)
+	var err error
+	if m.mem != nil {
+		err = m.mem.completePacked(key, token, rec.parts(), expires)
+	} else {
+		err = m.store.Complete(storeCtx, key, token, rec.response(), expires)
+	}
 	if errors.Is(err, ErrRolledBack) && !rec.streaming {
 		clear(w.Header())
 		writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable,
@@ -290,7 +328,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 		return
 	}
-	rec.deliver(resp)
+	rec.deliver()
 	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err})
 }
 
@@ -334,9 +372,10 @@ func sleep(ctx context.Context, d time.Duration) bool {
 
 var errBodyTooLarge = errors.New("request body too large")
 
-// readBody reads body, whose length is contentLength or -1 if unknown, and
-// fails with errBodyTooLarge past max bytes.
-func readBody(body io.Reader, contentLength, max int64) ([]byte, error) {
+// readBody reads body, whose length is contentLength or -1 if unknown, into
+// buf, which it grows as needed, and fails with errBodyTooLarge past max
+// bytes.
+func readBody(body io.Reader, contentLength, max int64, buf []byte) ([]byte, error) {
 	if body == nil || body == http.NoBody {
 		return nil, nil
 	}
@@ -348,7 +387,10 @@ func readBody(body io.Reader, contentLength, max int64) ([]byte, error) {
 		size = 512
 	}
 	// One byte more than expected, so that reading the EOF needs no growth.
-	buf := make([]byte, 0, size+1)
+	if int64(cap(buf)) < size+1 {
+		buf = make([]byte, 0, size+1)
+	}
+	buf = buf[:0]
 	for {
 		if len(buf) == cap(buf) {
 			buf = append(buf, 0)[:len(buf)]
@@ -388,6 +430,10 @@ func (r *bodyReader) Read(p []byte) (int, error) {
 
 func (r *bodyReader) Close() error { return nil }
 
+// release lets go of the body, whose buffer is about to be reused: a
+// handler that wrongly reads after it returned gets EOF.
+func (r *bodyReader) release() { r.b, r.i = nil, 0 }
+
 // tokenSource makes lease tokens: a random prefix, unique to the
 // middleware, and a counter.
 type tokenSource struct {
@@ -402,5 +448,7 @@ func newTokenSource() *tokenSource {
 }
 
 func (t *tokenSource) next() string {
-	return t.prefix + strconv.FormatUint(t.n.Add(1), 36)
+	var buf [64]byte
+	b := append(buf[:0], t.prefix...)
+	return string(strconv.AppendUint(b, t.n.Add(1), 36))
 }

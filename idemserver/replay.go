@@ -2,6 +2,7 @@ package idemserver
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"net"
 	"net/http"
@@ -24,12 +25,18 @@ const ReplayedHeader = "Idempotent-Replayed"
 // streaming handler uses to reach the client now, and a body larger than
 // the limit. From then on it writes through to the client, still recording
 // the body while it fits.
+//
+// The fields and the body are recorded in buffers the middleware reuses
+// (see [buffers]); the fields are kept in packed form (see [packedParts]),
+// ready for the store.
 type recorder struct {
 	w           http.ResponseWriter
 	limit       int64
 	allow       map[string]bool // fields replayed though withheld by default
 	status      int
-	header      http.Header // replayable fields when the status was written
+	fields      []byte // replayable fields when the status was written, packed
+	hasLength   bool   // fields include Content-Length
+	length      string // the body's length, once finished
 	body        []byte
 	wroteHeader bool
 	streaming   bool // status and headers have gone to the client
@@ -57,7 +64,7 @@ func (c *recorder) WriteHeader(code int) {
 	c.wroteHeader = true
 	c.status = code
 	if !released(code) {
-		c.header = replayable(c.w.Header(), c.allow)
+		c.fields, c.hasLength = appendReplayable(c.fields[:0], c.w.Header(), c.allow)
 	}
 }
 
@@ -130,27 +137,26 @@ func (c *recorder) startStreaming() {
 	}
 }
 
-// finish completes a response the handler left without a status.
+// finish completes a response the handler left without a status, and
+// adds Content-Length to the recorded fields of a response to be stored.
 func (c *recorder) finish() {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
 	}
+	c.length = strconv.Itoa(len(c.body))
+	if !c.tooLarge && !released(c.status) && bodyAllowed(c.status) && !c.hasLength {
+		c.fields = appendHeaderField(c.fields, "Content-Length", c.length)
+	}
 }
 
-// deliver sends a response that has not been let through yet. stored, if
-// not nil, is the stored form of the response, whose Content-Length it
-// reuses.
-func (c *recorder) deliver(stored *Response) {
+// deliver sends a response that has not been let through yet.
+func (c *recorder) deliver() {
 	if c.streaming {
 		return
 	}
 	h := c.w.Header()
 	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
-		if cl := stored.contentLength(); cl != nil {
-			h["Content-Length"] = cl
-		} else {
-			h["Content-Length"] = []string{strconv.Itoa(len(c.body))}
-		}
+		h["Content-Length"] = []string{c.length}
 	}
 	c.w.WriteHeader(c.status)
 	if len(c.body) > 0 {
@@ -158,22 +164,52 @@ func (c *recorder) deliver(stored *Response) {
 	}
 }
 
-// response returns what the recorder holds as a Response to store.
+// parts returns what the recorder holds, after finish, in the pieces of
+// its packed form. They point into the recorder's buffers.
+func (c *recorder) parts() packedParts {
+	if c.tooLarge {
+		return packedParts{status: c.status, omitted: true}
+	}
+	return packedParts{status: c.status, fields: c.fields, body: c.body}
+}
+
+// response returns what the recorder holds, after finish, as a Response of
+// its own to store.
 func (c *recorder) response() *Response {
 	if c.tooLarge {
 		return &Response{Status: c.status, BodyOmitted: true}
 	}
-	h := c.header
-	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
-		h["Content-Length"] = []string{strconv.Itoa(len(c.body))}
+	h := make(http.Header)
+	fieldsInto(h, string(c.fields))
+	resp := &Response{Status: c.status, Header: h}
+	if len(c.body) > 0 {
+		resp.Body = bytes.Clone(c.body)
 	}
-	return &Response{Status: c.status, Header: h, Body: c.body}
+	return resp
+}
+
+// release lets go of the recorder's buffers, handing them back to bufs.
+// A handler that wrongly writes after it returned can then no longer
+// reach them.
+func (c *recorder) release(bufs *buffers) {
+	bufs.fields, bufs.respBody = c.fields, c.body
+	c.fields, c.body = nil, nil
 }
 
 // replayable returns a copy of h without the fields that must not be
-// replayed: hop-by-hop fields, those named in Connection, trailers, and
-// Set-Cookie unless allow names it. The copy's values share one array.
+// replayed; see appendReplayable.
 func replayable(h http.Header, allow map[string]bool) http.Header {
+	b, _ := appendReplayable(nil, h, allow)
+	out := make(http.Header)
+	fieldsInto(out, string(b))
+	return out
+}
+
+// appendReplayable appends to b, packed, the fields of h that may be
+// replayed: all but the hop-by-hop fields, those named in Connection,
+// trailers, and Set-Cookie unless allow names it. It also reports whether
+// Content-Length is among them.
+func appendReplayable(b []byte, h http.Header, allow map[string]bool) ([]byte, bool) {
 	var named map[string]bool
 	for k, vs := range h {
 		if !strings.EqualFold(k, "Connection") {
@@ -190,38 +226,17 @@ func replayable(h http.Header, allow map[string]bool) http.Header {
 			}
 		}
 	}
-	drop := func(k string) bool {
+	hasLength := false
+	for k, vs := range h {
 		ck := textproto.CanonicalMIMEHeaderKey(k)
-		return hopByHop(ck) || named[ck] || strings.HasPrefix(k, http.TrailerPrefix) ||
-			ck == ReplayedHeader || (ck == "Set-Cookie" && !allow[ck])
-	}
-	keys, values := 0, 0
-	for k, vs := range h {
-		if !drop(k) {
-			keys++
-			values += len(vs)
+		if hopByHop(ck) || named[ck] || strings.HasPrefix(k, http.TrailerPrefix) ||
+			ck == ReplayedHeader || (ck == "Set-Cookie" && !allow[ck]) {
+			continue
 		}
+		hasLength = hasLength || k == "Content-Length"
+		b = appendHeaderField(b, k, vs...)
 	}
-	out := make(http.Header, keys)
-	all := make([]string, values)
-	for k, vs := range h {
-		if !drop(k) {
-			n := copy(all, vs)
-			out[k] = all[:n:n]
-			all = all[n:]
-		}
-	}
-	return out
-}
-
-// contentLength returns the stored Content-Length values, capped so that an
-// append cannot write into the record; nil if there are none.
-func (r *Response) contentLength() []string {
-	if r == nil || r.Header == nil {
-		return nil
-	}
-	v := r.Header["Content-Length"]
-	return v[:len(v):len(v)]
+	return b, hasLength
 }
 
 func hopByHop(k string) bool {
@@ -235,27 +250,4 @@ func hopByHop(k string) bool {
 // bodyAllowed reports whether a response with status may have a body.
 func bodyAllowed(status int) bool {
 	return status >= 200 && status != http.StatusNoContent && status != http.StatusNotModified
-}
-
-// replay writes a stored response, marked with [ReplayedHeader].
-func replay(w http.ResponseWriter, resp *Response) {
-	h := w.Header()
-	if resp.BodyOmitted {
-		h.Set(ReplayedHeader, "true")
-		writeProblem(w, ProblemResponseNotStored, resp.Status,
-			"the request was processed with status "+strconv.Itoa(resp.Status)+
-				", but its response was too large to keep for replay", "")
-		return
-	}
-	for k, v := range resp.Header {
-		h[k] = v[:len(v):len(v)] // an Add by another layer must not write into the record
-	}
-	h[ReplayedHeader] = []string{"true"}
-	if bodyAllowed(resp.Status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
-		h["Content-Length"] = []string{strconv.Itoa(len(resp.Body))}
-	}
-	w.WriteHeader(resp.Status)
-	if len(resp.Body) > 0 {
-		_, _ = w.Write(resp.Body)
-	}
 }
