@@ -282,10 +282,20 @@ func (m *handler) claimIn(ctx context.Context, c Claim, takeOver bool, expiredTo
 
 // run serves a claimed request and stores or releases its outcome.
 func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, storeCtx context.Context, bufs *buffers) {
+	// The handler's body and ResponseWriter, in one allocation.
+	x := &struct {
+		body bodyReader
+		rec  recorder
+	}{
+		body: bodyReader{b: bufs.reqBody},
+		rec: recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders,
+			fields: bufs.fields, body: bufs.respBody},
+	}
+	rec := &x.rec
+	defer rec.release(bufs)
 	if r.Body != nil && r.Body != http.NoBody {
-		body := &bodyReader{b: bufs.reqBody}
-		defer body.release()
-		r.Body = body
+		defer x.body.release()
+		r.Body = &x.body
 	}
 	if storeCtx != nil {
 		r = r.WithContext(storeCtx)
@@ -294,9 +304,6 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	}
 	// The outcome must be recorded even when the client has gone.
 	storeCtx = context.WithoutCancel(storeCtx)
-	rec := &recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders,
-		fields: bufs.fields, body: bufs.respBody}
-	defer rec.release(bufs)
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on

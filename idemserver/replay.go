@@ -34,9 +34,9 @@ type recorder struct {
 	limit       int64
 	allow       map[string]bool // fields replayed though withheld by default
 	status      int
-	fields      []byte // replayable fields when the status was written, packed
-	hasLength   bool   // fields include Content-Length
-	length      string // the body's length, once finished
+	fields      []byte    // replayable fields when the status was written, packed
+	hasLength   bool      // fields include Content-Length
+	length      [1]string // the body's length, once finished, as a field value
 	body        []byte
 	wroteHeader bool
 	streaming   bool // status and headers have gone to the client
@@ -143,9 +143,9 @@ func (c *recorder) finish() {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
 	}
-	c.length = strconv.Itoa(len(c.body))
+	c.length[0] = strconv.Itoa(len(c.body))
 	if !c.tooLarge && !released(c.status) && bodyAllowed(c.status) && !c.hasLength {
-		c.fields = appendHeaderField(c.fields, "Content-Length", c.length)
+		c.fields = appendHeaderField(c.fields, "Content-Length", c.length[0])
 	}
 }
 
@@ -156,7 +156,7 @@ func (c *recorder) deliver() {
 	}
 	h := c.w.Header()
 	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
-		h["Content-Length"] = []string{c.length}
+		h["Content-Length"] = c.length[:] // the recorder's own array: no allocation
 	}
 	c.w.WriteHeader(c.status)
 	if len(c.body) > 0 {
