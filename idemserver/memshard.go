@@ -81,10 +81,18 @@ func (sh *memShard) find(h uint64, k Key) int32 {
 }
 
 // leased returns the slot of key's in-progress record, provided it still
-// holds token.
-func (sh *memShard) leased(s *MemoryStore, h uint64, key Key, token string) (int32, error) {
+// holds token. hint, unless none, is the slot where the record was
+// inserted; it is used if it still holds the record.
+func (sh *memShard) leased(s *MemoryStore, h uint64, hint int32, key Key, token string) (int32, error) {
 	if s.closed.Load() {
 		return none, ErrClosed
+	}
+	if hint != none && int(hint) < len(sh.slots) {
+		// A lease token is unique, so a slot in progress with this token
+		// and key holds this claim.
+		if e := &sh.slots[hint]; !e.completed && token != "" && e.token == token && e.is(key) {
+			return hint, nil
+		}
 	}
 	i := sh.find(h, key)
 	if i == none || sh.slots[i].completed || sh.slots[i].token != token {
@@ -93,8 +101,9 @@ func (sh *memShard) leased(s *MemoryStore, h uint64, key Key, token string) (int
 	return i, nil
 }
 
-// insert adds an in-progress record for the claim c, whose key hashes to h.
-func (sh *memShard) insert(h uint64, c Claim) {
+// insert adds an in-progress record for the claim c, whose key hashes to h,
+// and returns its slot.
+func (sh *memShard) insert(h uint64, c Claim) int32 {
 	i := sh.free
 	if i != none {
 		sh.free = sh.slots[i].chain
@@ -115,6 +124,7 @@ func (sh *memShard) insert(h uint64, c Claim) {
 	}
 	sh.index[h] = i
 	sh.len++
+	return i
 }
 
 // complete turns the in-progress record in slot i into a completed one

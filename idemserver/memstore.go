@@ -100,44 +100,48 @@ func (s *MemoryStore) init() {
 // locate returns the shard of k and the hash that indexes k there.
 func (s *MemoryStore) locate(k Key) (*memShard, uint64) {
 	s.init()
-	var h maphash.Hash
-	h.SetSeed(s.seed)
-	h.WriteString(k.Scope)
-	h.WriteByte(0)
-	h.WriteString(k.Key)
-	sum := h.Sum64()
+	sum := maphash.Comparable(s.seed, k)
 	return &s.shards[sum&s.mask], sum
 }
 
 // Claim implements [Store].
 func (s *MemoryStore) Claim(ctx context.Context, c Claim) (ClaimResult, error) {
-	res, _, err := s.claim(ctx, c, false, "", true)
+	res, _, _, err := s.claim(ctx, c, false, "", true)
 	return res, err
 }
 
 // TakeOver implements [Store].
 func (s *MemoryStore) TakeOver(ctx context.Context, c Claim, expiredToken string) (ClaimResult, error) {
-	res, _, err := s.claim(ctx, c, true, expiredToken, true)
+	res, _, _, err := s.claim(ctx, c, true, expiredToken, true)
 	return res, err
+}
+
+// A memRef says where a claim put its record, so that completing the
+// claim needs neither the key's hash nor, usually, a lookup.
+type memRef struct {
+	sh   *memShard
+	hash uint64
+	slot int32 // a hint: checked, and looked up again if it no longer holds the claim
 }
 
 // claimPacked is Claim, or TakeOver if takeOver is set, for the
 // middleware: a completed record's response comes back packed, as the
 // second result, instead of as Record.Response, so that a replay can write
-// it without decoding it first.
-func (s *MemoryStore) claimPacked(ctx context.Context, c Claim, takeOver bool, expiredToken string) (ClaimResult, string, error) {
+// it without decoding it first; and a successful claim reports where its
+// record is, for completePacked.
+func (s *MemoryStore) claimPacked(ctx context.Context, c Claim, takeOver bool, expiredToken string) (ClaimResult, string, memRef, error) {
 	return s.claim(ctx, c, takeOver, expiredToken, false)
 }
 
-func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string, decode bool) (ClaimResult, string, error) {
+func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string, decode bool) (ClaimResult, string, memRef, error) {
 	if err := ctx.Err(); err != nil {
-		return ClaimResult{}, "", err
+		return ClaimResult{}, "", memRef{}, err
 	}
 	sh, h := s.locate(c.Key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if s.closed.Load() {
-		return ClaimResult{}, "", ErrClosed
+		return ClaimResult{}, "", memRef{}, ErrClosed
 	}
 	if i := sh.find(h, c.Key); i != none {
 		e := &sh.slots[i]
@@ -146,35 +150,37 @@ func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expired
 			sh.remove(i)
 		case takeOver && !e.completed && e.token == expiredToken:
 			e.fp, e.token, e.leaseExpires = c.Fingerprint, c.Token, c.LeaseExpires
-			return ClaimResult{Claimed: true}, "", nil
+			return ClaimResult{Claimed: true}, "", memRef{sh, h, i}, nil
 		default:
 			rec := Record{Fingerprint: e.fp, Token: e.token, LeaseExpires: e.leaseExpires}
 			if !e.completed {
-				return ClaimResult{Record: rec}, "", nil
+				return ClaimResult{Record: rec}, "", memRef{}, nil
 			}
 			rec.Expires = e.expiresAt()
 			if !decode {
-				return ClaimResult{Record: rec}, e.response(), nil
+				return ClaimResult{Record: rec}, e.response(), memRef{}, nil
 			}
 			rec.Response = unpack(e.response()).response()
-			return ClaimResult{Record: rec}, "", nil
+			return ClaimResult{Record: rec}, "", memRef{}, nil
 		}
 	}
 	if sh.len >= sh.limit && !sh.evict(c.Now) {
-		return ClaimResult{}, "", ErrStoreFull
+		return ClaimResult{}, "", memRef{}, ErrStoreFull
 	}
-	sh.insert(h, c)
-	return ClaimResult{Claimed: true}, "", nil
+	i := sh.insert(h, c)
+	return ClaimResult{Claimed: true}, "", memRef{sh, h, i}, nil
 }
 
 // Complete implements [Store].
 func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
-	return s.completePacked(key, token, partsOf(resp, nil), expires)
+	sh, h := s.locate(key)
+	return s.completePacked(memRef{sh, h, none}, key, token, partsOf(resp, nil), expires)
 }
 
 // completePacked is Complete for a response the middleware has already
-// taken apart into the pieces of its packed form.
-func (s *MemoryStore) completePacked(key Key, token string, p packedParts, expires time.Time) error {
+// taken apart into the pieces of its packed form, and a record that ref
+// locates.
+func (s *MemoryStore) completePacked(ref memRef, key Key, token string, p packedParts, expires time.Time) error {
 	// The record's one block is built before the lock is taken: the key
 	// again, then the response.
 	var b strings.Builder
@@ -183,10 +189,10 @@ func (s *MemoryStore) completePacked(key Key, token string, p packedParts, expir
 	p.writeTo(&b)
 	data := b.String()
 
-	sh, h := s.locate(key)
+	sh := ref.sh
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	i, err := sh.leased(s, h, key, token)
+	i, err := sh.leased(s, ref.hash, ref.slot, key, token)
 	if err != nil {
 		return err
 	}
@@ -199,7 +205,7 @@ func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error 
 	sh, h := s.locate(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	i, err := sh.leased(s, h, key, token)
+	i, err := sh.leased(s, h, none, key, token)
 	if err != nil {
 		return err
 	}

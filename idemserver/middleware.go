@@ -216,7 +216,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		return Claim{Key: key, Fingerprint: fp, Token: m.tokens.next(), Now: now, LeaseExpires: now.Add(cfg.lease)}
 	}
 	c := newClaim()
-	res, stored, err := m.claimIn(ctx, c, false, "")
+	res, stored, ref, err := m.claimIn(ctx, c, false, "")
 	var waited time.Duration
 	poll := firstPoll
 	takeOvers := 0
@@ -228,7 +228,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			m.run(w, r, key, c.Token, res.Context, bufs)
+			m.run(w, r, key, c.Token, ref, res.Context, bufs)
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
@@ -242,7 +242,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		case !c.Now.Before(res.Record.LeaseExpires) && takeOvers < maxTakeOvers:
 			takeOvers++
 			c = newClaim()
-			res, stored, err = m.claimIn(ctx, c, true, res.Record.Token)
+			res, stored, ref, err = m.claimIn(ctx, c, true, res.Record.Token)
 			continue
 		case waited < cfg.wait && ctx.Err() == nil:
 			d := min(poll, cfg.wait-waited)
@@ -252,7 +252,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			waited += d
 			poll = min(2*poll, maxPoll)
 			c = newClaim()
-			res, stored, err = m.claimIn(ctx, c, false, "")
+			res, stored, ref, err = m.claimIn(ctx, c, false, "")
 			continue
 		}
 		writeProblem(w, ProblemInProgress, http.StatusConflict,
@@ -264,8 +264,9 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 
 // claimIn claims c.Key in the store, or takes over expiredToken's lease
 // if takeOver is set. A completed record's response comes back packed, as
-// stored, which is empty for any other answer.
-func (m *handler) claimIn(ctx context.Context, c Claim, takeOver bool, expiredToken string) (res ClaimResult, stored string, err error) {
+// stored, which is empty for any other answer; ref locates the record of
+// a successful claim in a MemoryStore.
+func (m *handler) claimIn(ctx context.Context, c Claim, takeOver bool, expiredToken string) (res ClaimResult, stored string, ref memRef, err error) {
 	if m.mem != nil {
 		return m.mem.claimPacked(ctx, c, takeOver, expiredToken)
 	}
@@ -277,11 +278,11 @@ func (m *handler) claimIn(ctx context.Context, c Claim, takeOver bool, expiredTo
 	if err == nil && !res.Claimed && res.Record.Completed() {
 		stored = packResponse(res.Record.Response)
 	}
-	return res, stored, err
+	return res, stored, memRef{}, err
 }
 
 // run serves a claimed request and stores or releases its outcome.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, storeCtx context.Context, bufs *buffers) {
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, ref memRef, storeCtx context.Context, bufs *buffers) {
 	// The handler's body and ResponseWriter, in one allocation.
 	x := &struct {
 		body bodyReader
@@ -324,7 +325,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	expires := m.cfg.now().Add(m.cfg.ttl)
 	var err error
 	if m.mem != nil {
-		err = m.mem.completePacked(key, token, rec.parts(), expires)
+		err = m.mem.completePacked(ref, key, token, rec.parts(), expires)
 	} else {
 		err = m.store.Complete(storeCtx, key, token, rec.response(), expires)
 	}
