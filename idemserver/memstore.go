@@ -106,34 +106,39 @@ func (s *MemoryStore) locate(k Key) (*memShard, uint64) {
 
 // Claim implements [Store].
 func (s *MemoryStore) Claim(ctx context.Context, c Claim) (ClaimResult, error) {
-	res, _, _, err := s.claim(ctx, c, false, "", true)
+	res, _, _, err := s.claim(ctx, c, false, "", nil, true)
 	return res, err
 }
 
 // TakeOver implements [Store].
 func (s *MemoryStore) TakeOver(ctx context.Context, c Claim, expiredToken string) (ClaimResult, error) {
-	res, _, _, err := s.claim(ctx, c, true, expiredToken, true)
+	res, _, _, err := s.claim(ctx, c, true, expiredToken, nil, true)
 	return res, err
 }
 
 // A memRef says where a claim put its record, so that completing the
 // claim needs neither the key's hash nor, usually, a lookup.
 type memRef struct {
-	sh   *memShard
-	hash uint64
-	slot int32 // a hint: checked, and looked up again if it no longer holds the claim
+	sh    *memShard
+	hash  uint64
+	slot  int32  // a hint: checked, and looked up again if it no longer holds the claim
+	token string // the lease token, when the store made it
 }
 
 // claimPacked is Claim, or TakeOver if takeOver is set, for the
 // middleware: a completed record's response comes back packed, as the
 // second result, instead of as Record.Response, so that a replay can write
 // it without decoding it first; and a successful claim reports where its
-// record is, for completePacked.
-func (s *MemoryStore) claimPacked(ctx context.Context, c Claim, takeOver bool, expiredToken string) (ClaimResult, string, memRef, error) {
-	return s.claim(ctx, c, takeOver, expiredToken, false)
+// record is, for completePacked. The claim's lease token is made by
+// tokens, only if the claim succeeds, and reported in the memRef.
+func (s *MemoryStore) claimPacked(ctx context.Context, c Claim, takeOver bool, expiredToken string, tokens *tokenSource) (ClaimResult, string, memRef, error) {
+	return s.claim(ctx, c, takeOver, expiredToken, tokens, false)
 }
 
-func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string, decode bool) (ClaimResult, string, memRef, error) {
+// claim is Claim, or TakeOver if takeOver is set. With tokens, c's lease
+// token is made there when the claim succeeds; with decode, a completed
+// record's response is returned in the record rather than packed.
+func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string, tokens *tokenSource, decode bool) (ClaimResult, string, memRef, error) {
 	if err := ctx.Err(); err != nil {
 		return ClaimResult{}, "", memRef{}, err
 	}
@@ -149,8 +154,11 @@ func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expired
 		case e.completed && !c.Now.Before(e.expiresAt()):
 			sh.remove(i)
 		case takeOver && !e.completed && e.token == expiredToken:
+			if tokens != nil {
+				c.Token = tokens.next()
+			}
 			e.fp, e.token, e.leaseExpires = c.Fingerprint, c.Token, c.LeaseExpires
-			return ClaimResult{Claimed: true}, "", memRef{sh, h, i}, nil
+			return ClaimResult{Claimed: true}, "", memRef{sh, h, i, c.Token}, nil
 		default:
 			rec := Record{Fingerprint: e.fp, Token: e.token, LeaseExpires: e.leaseExpires}
 			if !e.completed {
@@ -167,14 +175,17 @@ func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expired
 	if sh.len >= sh.limit && !sh.evict(c.Now) {
 		return ClaimResult{}, "", memRef{}, ErrStoreFull
 	}
+	if tokens != nil {
+		c.Token = tokens.next()
+	}
 	i := sh.insert(h, c)
-	return ClaimResult{Claimed: true}, "", memRef{sh, h, i}, nil
+	return ClaimResult{Claimed: true}, "", memRef{sh, h, i, c.Token}, nil
 }
 
 // Complete implements [Store].
 func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
 	sh, h := s.locate(key)
-	return s.completePacked(memRef{sh, h, none}, key, token, partsOf(resp, nil), expires)
+	return s.completePacked(memRef{sh: sh, hash: h, slot: none}, key, token, partsOf(resp, nil), expires)
 }
 
 // completePacked is Complete for a response the middleware has already

@@ -213,10 +213,10 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	ctx := r.Context()
 	newClaim := func() Claim {
 		now := cfg.now()
-		return Claim{Key: key, Fingerprint: fp, Token: m.tokens.next(), Now: now, LeaseExpires: now.Add(cfg.lease)}
+		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease)}
 	}
 	c := newClaim()
-	res, stored, ref, err := m.claimIn(ctx, c, false, "")
+	res, stored, ref, err := m.claimIn(ctx, &c, false, "")
 	var waited time.Duration
 	poll := firstPoll
 	takeOvers := 0
@@ -242,7 +242,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		case !c.Now.Before(res.Record.LeaseExpires) && takeOvers < maxTakeOvers:
 			takeOvers++
 			c = newClaim()
-			res, stored, ref, err = m.claimIn(ctx, c, true, res.Record.Token)
+			res, stored, ref, err = m.claimIn(ctx, &c, true, res.Record.Token)
 			continue
 		case waited < cfg.wait && ctx.Err() == nil:
 			d := min(poll, cfg.wait-waited)
@@ -252,7 +252,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			waited += d
 			poll = min(2*poll, maxPoll)
 			c = newClaim()
-			res, stored, ref, err = m.claimIn(ctx, c, false, "")
+			res, stored, ref, err = m.claimIn(ctx, &c, false, "")
 			continue
 		}
 		writeProblem(w, ProblemInProgress, http.StatusConflict,
@@ -263,17 +263,23 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 }
 
 // claimIn claims c.Key in the store, or takes over expiredToken's lease
-// if takeOver is set. A completed record's response comes back packed, as
-// stored, which is empty for any other answer; ref locates the record of
-// a successful claim in a MemoryStore.
-func (m *handler) claimIn(ctx context.Context, c Claim, takeOver bool, expiredToken string) (res ClaimResult, stored string, ref memRef, err error) {
+// if takeOver is set, and sets c.Token to the new lease token. A completed
+// record's response comes back packed, as stored, which is empty for any
+// other answer; ref locates the record of a successful claim in a
+// MemoryStore.
+func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredToken string) (res ClaimResult, stored string, ref memRef, err error) {
 	if m.mem != nil {
-		return m.mem.claimPacked(ctx, c, takeOver, expiredToken)
+		// The MemoryStore makes the token only when it inserts the record,
+		// so that a replay costs none.
+		res, stored, ref, err = m.mem.claimPacked(ctx, *c, takeOver, expiredToken, m.tokens)
+		c.Token = ref.token
+		return res, stored, ref, err
 	}
+	c.Token = m.tokens.next()
 	if takeOver {
-		res, err = m.store.TakeOver(ctx, c, expiredToken)
+		res, err = m.store.TakeOver(ctx, *c, expiredToken)
 	} else {
-		res, err = m.store.Claim(ctx, c)
+		res, err = m.store.Claim(ctx, *c)
 	}
 	if err == nil && !res.Claimed && res.Record.Completed() {
 		stored = packResponse(res.Record.Response)
