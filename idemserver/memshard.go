@@ -8,16 +8,15 @@ import (
 
 // memShard is one independently locked part of a [MemoryStore].
 //
-// Its records live in slots of one array. A map from the 64-bit hash of a
-// key to the first slot with that hash finds them; slots whose keys share a
-// hash are chained. The map holds no pointers and the slots few, so a shard
-// of many records gives the garbage collector little to do: per completed
-// record, one string to mark.
+// Its records live in slots of one array, found through a [memIndex] by
+// the hashes of their keys. The index holds no pointers and the slots few,
+// so a shard of many records gives the garbage collector little to do: per
+// completed record, one string to mark.
 type memShard struct {
 	mu    sync.Mutex
-	index map[uint64]int32
+	index memIndex
 	slots []memSlot
-	free  int32 // first unused slot, the others chained through memSlot.chain
+	free  int32 // first unused slot, the others chained through memSlot.nextFree
 	len   int   // records held
 	limit int
 	// head and tail list the completed records, oldest completion first.
@@ -38,7 +37,7 @@ type memSlot struct {
 	expires      int64     // Unix nanoseconds, once completed
 	hash         uint64
 	fp           Fingerprint
-	chain        int32 // next slot with the same hash, or next free slot
+	nextFree     int32 // of an unused slot
 	prev, next   int32 // neighbours in the completed list
 	completed    bool
 }
@@ -59,7 +58,7 @@ func (e *memSlot) is(k Key) bool {
 
 // init empties the shard and sets its bound.
 func (sh *memShard) init(limit int) {
-	sh.index = make(map[uint64]int32)
+	sh.index = memIndex{}
 	sh.slots = nil
 	sh.free, sh.head, sh.tail = none, none, none
 	sh.len = 0
@@ -68,13 +67,17 @@ func (sh *memShard) init(limit int) {
 
 // find returns the slot of k, whose hash is h, or none.
 func (sh *memShard) find(h uint64, k Key) int32 {
-	i, ok := sh.index[h]
-	if !ok {
+	x := &sh.index
+	if x.n == 0 {
 		return none
 	}
-	for ; i != none; i = sh.slots[i].chain {
-		if e := &sh.slots[i]; e.hash == h && e.is(k) {
-			return i
+	tag := indexTag(h)
+	for p := x.home(tag); x.entries[p] != 0; p = (p + 1) & x.mask() {
+		if e := x.entries[p]; uint32(e>>32) == tag {
+			i := int32(uint32(e)) - 1
+			if s := &sh.slots[i]; s.hash == h && s.is(k) {
+				return i
+			}
 		}
 	}
 	return none
@@ -106,7 +109,7 @@ func (sh *memShard) leased(s *MemoryStore, h uint64, hint int32, key Key, token 
 func (sh *memShard) insert(h uint64, c Claim) int32 {
 	i := sh.free
 	if i != none {
-		sh.free = sh.slots[i].chain
+		sh.free = sh.slots[i].nextFree
 	} else {
 		i = int32(len(sh.slots))
 		sh.slots = append(sh.slots, memSlot{})
@@ -114,15 +117,11 @@ func (sh *memShard) insert(h uint64, c Claim) int32 {
 	var b strings.Builder
 	b.Grow(packedKeyLen(c.Key))
 	writePackedKey(&b, c.Key)
-	chain := int32(none)
-	if first, ok := sh.index[h]; ok {
-		chain = first
-	}
 	sh.slots[i] = memSlot{
 		data: b.String(), token: c.Token, leaseExpires: c.LeaseExpires,
-		hash: h, fp: c.Fingerprint, chain: chain, prev: none, next: none,
+		hash: h, fp: c.Fingerprint, prev: none, next: none,
 	}
-	sh.index[h] = i
+	sh.index.add(h, i)
 	sh.len++
 	return i
 }
@@ -159,20 +158,8 @@ func (sh *memShard) remove(i int32) {
 			sh.tail = e.prev
 		}
 	}
-	if first := sh.index[e.hash]; first == i {
-		if e.chain == none {
-			delete(sh.index, e.hash)
-		} else {
-			sh.index[e.hash] = e.chain
-		}
-	} else {
-		j := first
-		for sh.slots[j].chain != i {
-			j = sh.slots[j].chain
-		}
-		sh.slots[j].chain = e.chain
-	}
-	*e = memSlot{chain: sh.free}
+	sh.index.remove(e.hash, i)
+	*e = memSlot{nextFree: sh.free}
 	sh.free = i
 	sh.len--
 }

@@ -34,7 +34,7 @@ const (
 // Expiry is lazy: an expired record is removed when it is next claimed or
 // when its room is needed, so the store runs no goroutine. A completed
 // record is kept as one string holding its key and packed response, in a
-// slot of an array indexed by a map without pointers, so that a full store
+// slot of an array indexed by a table without pointers, so that a full store
 // costs the garbage collector one object per record to mark and nothing to
 // scan but the arrays; every Claim that finds a completed record returns a
 // fresh copy of its response. The zero value is an empty store with the

@@ -287,8 +287,8 @@ func TestMemoryStoreKeepsResponsesIntact(t *testing.T) {
 	}
 }
 
-// Keys whose hashes collide share a chain of slots; each must be found,
-// completed and removed without disturbing the others.
+// Keys whose hashes collide share a run of index entries; each must be
+// found, completed and removed without disturbing the others.
 func TestMemShardHashCollisions(t *testing.T) {
 	now := newFakeClock().Now()
 	var sh memShard
@@ -304,7 +304,7 @@ func TestMemShardHashCollisions(t *testing.T) {
 		require.NotEqual(t, int32(none), i, k)
 		assert.Equal(t, "token-"+k.Scope+k.Key, sh.slots[i].token)
 	}
-	// Remove from the middle, the head and the tail of the chain.
+	// Remove from the middle, the end and the start of the run.
 	for _, k := range []Key{keys[1], keys[3], keys[0]} {
 		sh.remove(sh.find(h, k))
 		assert.Equal(t, int32(none), sh.find(h, k), k)
@@ -314,7 +314,7 @@ func TestMemShardHashCollisions(t *testing.T) {
 	sh.complete(i, sh.slots[i].data+packResponse(&Response{Status: 201}), now.Add(time.Hour))
 	assert.Equal(t, 201, unpack(sh.slots[i].response()).status)
 	sh.remove(i)
-	assert.Empty(t, sh.index)
+	assert.Zero(t, sh.index.n)
 	assert.Equal(t, 0, sh.len)
 	// Freed slots are reused.
 	sh.insert(h, Claim{Key: Key{Key: "d"}, Now: now})
