@@ -210,7 +210,15 @@ func replayable(h http.Header, allow map[string]bool) http.Header {
 // trailers, and Set-Cookie unless allow names it. It also reports whether
 // Content-Length is among them.
 func appendReplayable(b []byte, h http.Header, allow map[string]bool) ([]byte, bool) {
-	var named map[string]bool
+	// Most responses have no Connection field, so the fields are appended
+	// in one pass; only when it finds one are they appended again without
+	// the fields it names.
+	start := len(b)
+	b, hasLength, connection := appendKept(b, h, allow, nil)
+	if !connection {
+		return b, hasLength
+	}
+	named := make(map[string]bool)
 	for k, vs := range h {
 		if !strings.EqualFold(k, "Connection") {
 			continue
@@ -218,25 +226,29 @@ func appendReplayable(b []byte, h http.Header, allow map[string]bool) ([]byte, b
 		for _, v := range vs {
 			for tok := range strings.SplitSeq(v, ",") {
 				if tok = strings.TrimSpace(tok); tok != "" {
-					if named == nil {
-						named = make(map[string]bool)
-					}
 					named[textproto.CanonicalMIMEHeaderKey(tok)] = true
 				}
 			}
 		}
 	}
-	hasLength := false
+	b, hasLength, _ = appendKept(b[:start], h, allow, named)
+	return b, hasLength
+}
+
+// appendKept is appendReplayable with the fields named in Connection given
+// as named. It also reports whether h has a Connection field.
+func appendKept(b []byte, h http.Header, allow, named map[string]bool) (_ []byte, hasLength, connection bool) {
 	for k, vs := range h {
 		ck := textproto.CanonicalMIMEHeaderKey(k)
 		if hopByHop(ck) || named[ck] || strings.HasPrefix(k, http.TrailerPrefix) ||
 			ck == ReplayedHeader || (ck == "Set-Cookie" && !allow[ck]) {
+			connection = connection || ck == "Connection"
 			continue
 		}
 		hasLength = hasLength || k == "Content-Length"
 		b = appendHeaderField(b, k, vs...)
 	}
-	return b, hasLength
+	return b, hasLength, connection
 }
 
 func hopByHop(k string) bool {
