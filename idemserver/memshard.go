@@ -21,7 +21,7 @@ type memShard struct {
 	limit int
 	// head and tail list the completed records, oldest completion first.
 	head, tail int32
-	_          [24]byte // keeps neighbouring shards' locks off one cache line
+	_          [32]byte // pads the shard to 128 bytes: no two shards' locks share a cache line
 }
 
 // none is the slot index that stands for no slot.
