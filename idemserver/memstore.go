@@ -185,7 +185,7 @@ func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expired
 // Complete implements [Store].
 func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
 	sh, h := s.locate(key)
-	return s.completePacked(memRef{sh: sh, hash: h, slot: none}, key, token, partsOf(resp, nil), expires)
+	return s.completePacked(memRef{sh: sh, hash: h, slot: none}, key, token, partsOf(resp), expires)
 }
 
 // completePacked is Complete for a response the middleware has already

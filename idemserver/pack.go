@@ -47,20 +47,19 @@ func (p packedParts) writeTo(b *strings.Builder) {
 	b.Write(p.body)
 }
 
-// partsOf returns the parts of resp; its header fields are appended to
-// scratch, which may be nil.
-func partsOf(resp *Response, scratch []byte) packedParts {
+// partsOf returns the parts of resp.
+func partsOf(resp *Response) packedParts {
 	return packedParts{
 		status:  resp.Status,
 		omitted: resp.BodyOmitted,
-		fields:  appendFields(scratch, resp.Header, nil),
+		fields:  appendFields(nil, resp.Header),
 		body:    resp.Body,
 	}
 }
 
 // packResponse returns resp packed.
 func packResponse(resp *Response) string {
-	p := partsOf(resp, nil)
+	p := partsOf(resp)
 	var b strings.Builder
 	b.Grow(p.size())
 	p.writeTo(&b)
@@ -94,13 +93,9 @@ func unpack(s string) packed {
 	return p
 }
 
-// appendFields appends the fields of h to b in packed form, leaving out
-// those for which drop reports true. A nil drop keeps them all.
-func appendFields(b []byte, h http.Header, drop func(string) bool) []byte {
+// appendFields appends the fields of h to b in packed form.
+func appendFields(b []byte, h http.Header) []byte {
 	for k, vs := range h {
-		if drop != nil && drop(k) {
-			continue
-		}
 		b = appendHeaderField(b, k, vs...)
 	}
 	return b
