@@ -523,3 +523,30 @@ func TestObserver(t *testing.T) {
 	assert.Equal(t, 201, events[0].Status)
 	assert.Equal(t, "Outcome(99)", Outcome(99).String())
 }
+
+// Requests served at once, whose buffers are reused from one request to
+// the next, each see their own body and get their own response, also when
+// it is replayed; bodies over the pooled size are among them.
+func TestConcurrentRequestsKeepTheirBodies(t *testing.T) {
+	echo := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(w, r.Body)
+	})
+	mw := Middleware(nil)(echo)
+	var wg sync.WaitGroup
+	for g := range 16 {
+		wg.Go(func() {
+			for i := range 20 {
+				id := itoa(int64(g)) + "-" + itoa(int64(i))
+				body := strings.Repeat("<"+id+">", 1+(g*i)%7*2000)
+				key := "k-" + id
+				for range 2 { // run, then replay
+					w := serve(mw, newRequest(http.MethodPost, "/x", key, body))
+					if !assert.Equal(t, http.StatusOK, w.Code) || !assert.Equal(t, body, w.Body.String(), key) {
+						return
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
