@@ -196,13 +196,10 @@ func (p packed) replay(w http.ResponseWriter) {
 	}
 }
 
+// uvarintLen returns the length of v encoded as a uvarint.
 func uvarintLen(v uint64) int {
-	n := 1
-	for v >= 0x80 {
-		v >>= 7
-		n++
-	}
-	return n
+	var buf [binary.MaxVarintLen64]byte
+	return len(binary.AppendUvarint(buf[:0], v))
 }
 
 func writeUvarint(b *strings.Builder, v uint64) {
