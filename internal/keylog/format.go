@@ -65,6 +65,7 @@ var (
 // cannot read.
 type VersionError struct{ Version uint16 }
 
+// Error implements the error interface.
 func (e *VersionError) Error() string {
 	return fmt.Sprintf("unsupported format version %d (this build reads version %d)", e.Version, Version)
 }

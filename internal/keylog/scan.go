@@ -18,6 +18,7 @@ type BadFrame struct {
 	Reason string
 }
 
+// Error implements the error interface.
 func (e *BadFrame) Error() string {
 	return fmt.Sprintf("bad frame at offset %d: %s", e.Offset, e.Reason)
 }
