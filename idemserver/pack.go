@@ -175,12 +175,30 @@ func (p packed) response() *Response {
 	return resp
 }
 
+// describesBody reports whether the field k describes a response's body, so
+// that it is not replayed with the problem document that stands in for a
+// body too large to store.
+func describesBody(k string) bool {
+	switch k {
+	case "Etag", "Last-Modified", "Digest", "Repr-Digest":
+		return true
+	}
+	return strings.HasPrefix(k, "Content-")
+}
+
 // replay writes a packed response, marked with [ReplayedHeader], without
 // copying its fields or body.
 func (p packed) replay(w http.ResponseWriter) {
 	h := w.Header()
 	if p.omitted {
-		h.Set(ReplayedHeader, "true")
+		// The stored fields (Location, say) still hold; those that
+		// describe the dropped body do not.
+		fieldsInto(h, p.fields, ReplayedHeader, "true")
+		for k := range h {
+			if describesBody(k) {
+				delete(h, k)
+			}
+		}
 		writeProblem(w, ProblemResponseNotStored, p.status,
 			"the request was processed with status "+strconv.Itoa(p.status)+
 				", but its response was too large to keep for replay", "")

@@ -42,11 +42,23 @@ type recorder struct {
 	streaming   bool // status and headers have gone to the client
 	tooLarge    bool // the body passed the limit and was dropped
 	err         error
+	late        http.Header // what Header returns after WriteHeader, made on first use
 }
 
-// Header returns the client's header map: fields set there only reach the
-// client when the recorder lets the response through.
-func (c *recorder) Header() http.Header { return c.w.Header() }
+// Header returns the client's header map until WriteHeader: fields set
+// there only reach the client when the recorder lets the response through.
+// After WriteHeader it returns a copy, as changes made then have no effect
+// under net/http either; only trailers set in it reach the client, and the
+// first response stays identical to its replays.
+func (c *recorder) Header() http.Header {
+	if !c.wroteHeader {
+		return c.w.Header()
+	}
+	if c.late == nil {
+		c.late = c.w.Header().Clone()
+	}
+	return c.late
+}
 
 // WriteHeader records the status code. Informational (1xx) responses other
 // than 101 go to the client at once, as net/http sends them.
@@ -149,13 +161,15 @@ func (c *recorder) finish() {
 	}
 }
 
-// deliver sends a response that has not been let through yet.
+// deliver sends a response that has not been let through yet, and the
+// trailers of one that has.
 func (c *recorder) deliver() {
+	defer c.sendTrailers()
 	if c.streaming {
 		return
 	}
 	h := c.w.Header()
-	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil {
+	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil && h["Trailer"] == nil {
 		h["Content-Length"] = c.length[:] // the recorder's own array: no allocation
 	}
 	c.w.WriteHeader(c.status)
@@ -164,11 +178,40 @@ func (c *recorder) deliver() {
 	}
 }
 
+// sendTrailers copies the trailer values the handler set after WriteHeader
+// into the client's header map, where net/http looks for them when the
+// handler returns: fields declared in Trailer, and those named with
+// http.TrailerPrefix.
+func (c *recorder) sendTrailers() {
+	if c.late == nil {
+		return
+	}
+	live := c.w.Header()
+	declared := live["Trailer"]
+	for k, vv := range c.late {
+		if strings.HasPrefix(k, http.TrailerPrefix) || trailerDeclared(declared, k) {
+			live[k] = vv
+		}
+	}
+}
+
+// trailerDeclared reports whether the Trailer field values name key.
+func trailerDeclared(trailer []string, key string) bool {
+	for _, v := range trailer {
+		for name := range strings.SplitSeq(v, ",") {
+			if http.CanonicalHeaderKey(strings.TrimSpace(name)) == key {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // parts returns what the recorder holds, after finish, in the pieces of
 // its packed form. They point into the recorder's buffers.
 func (c *recorder) parts() packedParts {
 	if c.tooLarge {
-		return packedParts{status: c.status, omitted: true}
+		return packedParts{status: c.status, omitted: true, fields: c.fields}
 	}
 	return packedParts{status: c.status, fields: c.fields, body: c.body}
 }
@@ -176,11 +219,11 @@ func (c *recorder) parts() packedParts {
 // response returns what the recorder holds, after finish, as a Response of
 // its own to store.
 func (c *recorder) response() *Response {
-	if c.tooLarge {
-		return &Response{Status: c.status, BodyOmitted: true}
-	}
 	h := make(http.Header)
 	fieldsInto(h, string(c.fields))
+	if c.tooLarge {
+		return &Response{Status: c.status, Header: h, BodyOmitted: true}
+	}
 	resp := &Response{Status: c.status, Header: h}
 	if len(c.body) > 0 {
 		resp.Body = bytes.Clone(c.body)

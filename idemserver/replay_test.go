@@ -275,3 +275,70 @@ func TestReplayThroughAnyStore(t *testing.T) {
 	assert.Equal(t, replays[0].Header(), replays[1].Header())
 	assert.Equal(t, replays[0].Body.String(), replays[1].Body.String())
 }
+
+// Under net/http a header changed after WriteHeader has no effect; behind
+// the middleware too, so the first response equals its replays.
+func TestHeaderChangedAfterWriteHeaderDoesNotReachClient(t *testing.T) {
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Early", "1")
+		w.WriteHeader(http.StatusCreated)
+		w.Header().Set("X-Late", "1")
+		w.Header().Del("X-Early")
+		_, _ = io.WriteString(w, "made")
+	})
+	mw := Middleware(nil)(h)
+	first := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	require.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+	for _, rec := range []*httptest.ResponseRecorder{first, replay} {
+		assert.Equal(t, "1", rec.Header().Get("X-Early"))
+		assert.Empty(t, rec.Header().Get("X-Late"))
+		assert.Equal(t, "made", rec.Body.String())
+	}
+}
+
+// Trailers are set after WriteHeader by design; they still reach the first
+// client (they are never replayed).
+func TestTrailersReachTheFirstClient(t *testing.T) {
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Trailer", "X-Checksum")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "made")
+		w.Header().Set("X-Checksum", "abc")
+		w.Header().Set(http.TrailerPrefix+"X-Extra", "def")
+	})
+	srv := httptest.NewServer(Middleware(nil)(h))
+	defer srv.Close()
+	req, err := http.NewRequest(http.MethodPost, srv.URL+"/x", strings.NewReader("b"))
+	require.NoError(t, err)
+	req.Header.Set(DefaultKeyHeader, "k")
+	resp, err := srv.Client().Do(req)
+	require.NoError(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	assert.Equal(t, "made", string(body))
+	assert.Equal(t, "abc", resp.Trailer.Get("X-Checksum"))
+	assert.Equal(t, "def", resp.Trailer.Get("X-Extra"))
+}
+
+// A response too large to store replays its status and header fields,
+// with a problem document in place of the body and without the fields
+// that described it.
+func TestTooLargeResponseReplaysItsHeaders(t *testing.T) {
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Location", "/orders/42")
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Etag", `"v1"`)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, strings.Repeat("x", 100))
+	})
+	mw := Middleware(nil, WithMaxResponseBytes(10))(h)
+	first := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	require.Equal(t, "/orders/42", first.Header().Get("Location"))
+	assert.Equal(t, http.StatusCreated, replay.Code)
+	assert.Equal(t, "/orders/42", replay.Header().Get("Location"))
+	assert.Equal(t, "application/problem+json", replay.Header().Get("Content-Type"))
+	assert.Empty(t, replay.Header().Get("Etag"))
+	assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+}
