@@ -263,6 +263,13 @@ func (s *FileKeyStore) load() error {
 		return s.corrupt(0, err.Error())
 	}
 
+	// The last owner may have crashed between writing the header and
+	// syncing the directory; what this store acknowledges must not rest on
+	// a directory entry that a power loss could still undo.
+	if err := syncDir(filepath.Dir(s.path)); err != nil {
+		return fmt.Errorf("idemhttp: open key store %s: %w", s.path, err)
+	}
+
 	sc := keylog.NewScanner(s.f, size)
 	var recs []keylog.Record
 	for {

@@ -175,3 +175,25 @@ func TestFileKeyStoreDamagedLastFrameIsTrimmed(t *testing.T) {
 	assert.Equal(t, map[string]string{"a": "ka"}, pendingMap(t, s))
 	assert.Positive(t, s.Recovery().TrimmedBytes)
 }
+
+// Only the last frame can be unacknowledged: a damaged frame followed by a
+// torn one is corruption, not a longer torn tail, and salvage keeps what
+// follows it.
+func TestDamagedFrameBeforeTornTailIsCorruption(t *testing.T) {
+	p := buildStore(t, []storeStep{acq("a", "ka", "ka"), acq("b", "kb", "kb"), acq("c", "kc", "kc")})
+	offs := frameOffsets(t, p) // a, b, c, end
+	data, err := os.ReadFile(p)
+	require.NoError(t, err)
+	data[offs[1]-1] ^= 0xff // bit rot at the end of a's body
+	data = data[:offs[3]-3] // a crash while c was written
+
+	_, err = OpenFileKeyStore(writeVariant(t, data))
+	var ce *CorruptError
+	require.ErrorAs(t, err, &ce, "acknowledged record a must not vanish as a torn tail")
+	assert.Equal(t, offs[0], ce.Offset)
+
+	s, err := OpenFileKeyStore(writeVariant(t, data), WithSalvage())
+	require.NoError(t, err)
+	defer s.Close()
+	assert.Equal(t, map[string]string{"b": "kb"}, pendingMap(t, s), "salvage keeps b, drops damaged a and torn c")
+}

@@ -87,7 +87,16 @@ func (s *Scanner) Next() (off int64, body []byte, err error) {
 		return off, nil, readErr(err)
 	}
 	if !BodyOK(body, crc) {
-		return off, nil, s.bad(off, "frame checksum mismatch")
+		err := s.bad(off, "frame checksum mismatch")
+		// A frame with a sound header and bytes after its end was not the
+		// last write: frames are appended only after the previous one is
+		// fsynced, so this one was acknowledged, and its damage is
+		// corruption, never a torn tail. Resume after it.
+		var bad *BadFrame
+		if end := off + FrameHeaderSize + int64(n); errors.As(err, &bad) && bad.Torn() && end < s.size {
+			bad.Next = end
+		}
+		return off, nil, err
 	}
 	s.off += FrameHeaderSize + int64(n)
 	return off, body, nil
