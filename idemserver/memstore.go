@@ -224,6 +224,22 @@ func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error 
 	return nil
 }
 
+// Extend implements [Store].
+func (s *MemoryStore) Extend(ctx context.Context, key Key, token string, leaseExpires time.Time) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	sh, h := s.locate(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	i, err := sh.leased(s, h, none, key, token)
+	if err != nil {
+		return err
+	}
+	sh.slots[i].leaseExpires = leaseExpires
+	return nil
+}
+
 // Len returns the number of records the store holds, including expired
 // ones that have not been removed yet.
 func (s *MemoryStore) Len() int {

@@ -89,6 +89,19 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, &Response{}, now), ErrLeaseLost)
 			assert.NoError(t, s.Complete(ctx, c.Key, "new", &Response{}, now.Add(time.Hour)))
 		}},
+		{"extend moves the lease while the token holds", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			later := c.LeaseExpires.Add(time.Hour)
+			require.NoError(t, s.Extend(ctx, c.Key, c.Token, later))
+			res, err := s.Claim(ctx, Claim{Key: c.Key, Token: "other", Now: now})
+			require.NoError(t, err)
+			assert.Equal(t, later, res.Record.LeaseExpires)
+			assert.ErrorIs(t, s.Extend(ctx, c.Key, "wrong", later), ErrLeaseLost)
+			assert.ErrorIs(t, s.Extend(ctx, Key{Key: "absent"}, c.Token, later), ErrLeaseLost)
+			require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, now.Add(time.Hour)))
+			assert.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, later), ErrLeaseLost, "a completed record has no lease")
+		}},
 		{"takeover of an absent key claims it", func(t *testing.T, s *MemoryStore) {
 			res, err := s.TakeOver(ctx, testClaim("k", now), "gone")
 			require.NoError(t, err)
@@ -131,6 +144,7 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 			assert.ErrorIs(t, err, ErrClosed)
 			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, &Response{}, now), ErrClosed)
 			assert.ErrorIs(t, s.Release(ctx, c.Key, c.Token), ErrClosed)
+			assert.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, now), ErrClosed)
 		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {

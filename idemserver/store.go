@@ -98,6 +98,13 @@ type Store interface {
 	// Release deletes the in-progress record of key, provided it still
 	// holds token. Otherwise it returns an error wrapping [ErrLeaseLost].
 	Release(ctx context.Context, key Key, token string) error
+
+	// Extend moves the lease of key's in-progress record to end at
+	// leaseExpires, provided the record still holds token. Otherwise it
+	// changes nothing and returns an error wrapping [ErrLeaseLost]. The
+	// middleware calls it while the handler runs, well before the lease
+	// ends, so that a live handler is never taken over.
+	Extend(ctx context.Context, key Key, token string, leaseExpires time.Time) error
 }
 
 // Key identifies a record: the client's idempotency key within a scope.
