@@ -40,6 +40,18 @@ import (
 //   - The store fails: 503 with Retry-After, and the handler does not run,
 //     since running it without a claim could run it twice.
 //
+// The header fields stored are those the handler set: the ones it added,
+// and those set in front of the middleware (a request id, CORS fields)
+// whose values it changed. The others belong to their request, and a
+// replay carries its own request's. A stored response cannot remove a
+// field, so one set in front of the middleware that the handler deleted is
+// missing from the first response only. Hop-by-hop fields are never stored,
+// nor Set-Cookie unless [WithReplayedHeaders] allows it. As under net/http,
+// the client gets the fields as they were at WriteHeader (changes to the
+// map after it reach the client only as trailers), and Write fails with [http.ErrBodyNotAllowed]
+// on a status that allows no body; so the first response and its replays
+// agree.
+//
 // A request whose method is not keyed goes straight to the handler, and so
 // does one without a key unless [RequireKey] is set. A malformed key is
 // refused with 400. Every response the middleware writes itself is a
