@@ -53,17 +53,19 @@ type recorder struct {
 	// fields of the header map before the handler touched it (up to
 	// outerEnd), all of them at WriteHeader (up to sentEnd), and the
 	// replayable fields the handler set, to be stored (the rest).
-	fields      []byte
-	outerEnd    int
-	sentEnd     int
-	begun       bool      // the outer fields are recorded
-	hasLength   bool      // the stored fields include Content-Length
-	length      [1]string // the body's length, once finished, as a field value
-	body        []byte
+	fields   []byte
+	outerEnd int
+	sentEnd  int
+	length   [1]string // the body's length, once finished, as a field value
+	body     []byte
+	err      error
+	// The flags are together, so that the run's allocation of the
+	// recorder with the body reader stays in a smaller size class.
+	begun       bool // the outer fields are recorded
+	hasLength   bool // the stored fields include Content-Length
 	wroteHeader bool
 	streaming   bool // status and headers have gone to the client
 	tooLarge    bool // the body passed the limit and was dropped
-	err         error
 }
 
 // begin records the fields the header map holds before the handler first
