@@ -314,14 +314,8 @@ func TestTrailersReachTheFirstClient(t *testing.T) {
 	})
 	srv := httptest.NewServer(Middleware(nil)(h))
 	defer srv.Close()
-	req, err := http.NewRequest(http.MethodPost, srv.URL+"/x", strings.NewReader("b"))
-	require.NoError(t, err)
-	req.Header.Set(DefaultKeyHeader, "k")
-	resp, err := srv.Client().Do(req)
-	require.NoError(t, err)
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	assert.Equal(t, "made", string(body))
+	resp, body := postKeyed(t, srv.Client(), srv.URL+"/x", "k")
+	assert.Equal(t, "made", body)
 	assert.Equal(t, "abc", resp.Trailer.Get("X-Checksum"))
 	assert.Equal(t, "def", resp.Trailer.Get("X-Extra"))
 }
@@ -357,7 +351,13 @@ func TestTooLargeResponseReplaysItsHeaders(t *testing.T) {
 // body read, so that its trailers have arrived.
 func postKeyed(t *testing.T, client *http.Client, url, key string) (*http.Response, string) {
 	t.Helper()
-	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, url, strings.NewReader("b"))
+	return sendKeyed(t, client, http.MethodPost, url, key)
+}
+
+// sendKeyed is postKeyed with another method.
+func sendKeyed(t *testing.T, client *http.Client, method, url, key string) (*http.Response, string) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), method, url, strings.NewReader("b"))
 	require.NoError(t, err)
 	req.Header.Set(DefaultKeyHeader, key)
 	resp, err := client.Do(req)
@@ -601,16 +601,9 @@ func TestWriteWhereBodyNotAllowed(t *testing.T) {
 					wantBody = tt.write + tt.write
 				}
 				for i := range 2 {
-					req, err := http.NewRequestWithContext(t.Context(), tt.method, srv.URL, nil)
-					require.NoError(t, err)
-					req.Header.Set(DefaultKeyHeader, "k")
-					resp, err := srv.Client().Do(req)
-					require.NoError(t, err)
-					body, err := io.ReadAll(resp.Body)
-					resp.Body.Close()
-					require.NoError(t, err)
+					resp, body := sendKeyed(t, srv.Client(), tt.method, srv.URL, "k")
 					assert.Equal(t, want, resp.StatusCode)
-					assert.Equal(t, wantBody, string(body))
+					assert.Equal(t, wantBody, body)
 					if i == 1 && behind {
 						assert.Equal(t, "true", resp.Header.Get(ReplayedHeader))
 					} else {
