@@ -2,13 +2,17 @@ package idemserver
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"testing"
+	"testing/iotest"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // unknownLength hides a reader's length, as a chunked request body does.
@@ -115,5 +119,90 @@ func TestResponseLimit(t *testing.T) {
 			p := decodeProblem(t, second, ProblemResponseNotStored, http.StatusCreated)
 			assert.Contains(t, p.Detail, "201")
 		})
+	}
+}
+
+// stallingBody announces a long body, sends a few bytes and then stalls:
+// its second Read fails, as the read deadline of a stalled connection
+// makes it. It records the length of each buffer it is handed.
+type stallingBody struct {
+	sent  bool
+	asked []int
+}
+
+func (s *stallingBody) Read(p []byte) (int, error) {
+	s.asked = append(s.asked, len(p))
+	if s.sent {
+		return 0, errors.New("read timeout")
+	}
+	s.sent = true
+	return copy(p, "{\"amount\":"), nil
+}
+
+func (s *stallingBody) Close() error { return nil }
+
+// A request that announces a large body but sends little does not make
+// the middleware hold memory for the announced length: the buffer grows
+// with the bytes that arrive.
+func TestRequestBodyBufferGrowsWithBytesRead(t *testing.T) {
+	const announced = 1 << 20
+	h := &countingHandler{}
+	mw := Middleware(nil, WithMaxBodyBytes(announced))(h)
+	r := newRequest(http.MethodPost, "/x", "k", "")
+	var before, after runtime.MemStats
+	for range 3 { // later rounds draw on pooled buffers
+		body := &stallingBody{}
+		r.Body, r.ContentLength = body, announced
+		runtime.ReadMemStats(&before)
+		w := serve(mw, r)
+		runtime.ReadMemStats(&after)
+		decodeProblem(t, w, ProblemBodyUnreadable, http.StatusBadRequest)
+		for _, n := range body.asked {
+			assert.LessOrEqual(t, n, maxPooledBuffer, "a buffer sized for the announced length")
+		}
+		assert.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(announced/4), "bytes allocated")
+	}
+	assert.Zero(t, h.calls.Load())
+}
+
+func TestReadBodySizes(t *testing.T) {
+	const limit = 3*4096 + 17
+	sizes := []int{0, 1, 4095, 4096, 4097, 8193, limit, limit + 1, 3 * limit}
+	readers := []struct {
+		name string
+		wrap func(io.Reader) io.Reader
+	}{
+		{"whole", func(r io.Reader) io.Reader { return r }},
+		{"one byte at a time", iotest.OneByteReader},
+		{"half reads", iotest.HalfReader},
+		{"data with EOF", iotest.DataErrReader},
+	}
+	pooled := []int{0, 100, 4096, maxPooledBuffer}
+	for _, size := range sizes {
+		want := strings.Repeat("0123456789abcdef", size/16+1)[:size]
+		for _, known := range []bool{true, false} {
+			for _, rd := range readers {
+				for _, capacity := range pooled {
+					name := fmt.Sprintf("size=%d/known=%v/%s/pooled=%d", size, known, rd.name, capacity)
+					t.Run(name, func(t *testing.T) {
+						length := int64(size)
+						if !known {
+							length = -1
+						} else if size > limit {
+							length = limit // a body longer than announced
+						}
+						body := io.NopCloser(rd.wrap(strings.NewReader(want)))
+						got, err := readBody(body, length, limit, make([]byte, 0, capacity))
+						if size > limit {
+							assert.ErrorIs(t, err, errBodyTooLarge)
+							return
+						}
+						require.NoError(t, err)
+						assert.Equal(t, want, string(got))
+						assert.LessOrEqual(t, cap(got), max(capacity, limit+1), "the buffer grew past the limit")
+					})
+				}
+			}
+		}
 	}
 }

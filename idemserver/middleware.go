@@ -40,6 +40,18 @@ import (
 //   - The store fails: 503 with Retry-After, and the handler does not run,
 //     since running it without a claim could run it twice.
 //
+// The header fields stored are those the handler set: the ones it added,
+// and those set in front of the middleware (a request id, CORS fields)
+// whose values it changed. The others belong to their request, and a
+// replay carries its own request's. A stored response cannot remove a
+// field, so one set in front of the middleware that the handler deleted is
+// missing from the first response only. Hop-by-hop fields are never stored,
+// nor Set-Cookie unless [WithReplayedHeaders] allows it. As under net/http,
+// the client gets the fields as they were at WriteHeader (changes to the
+// map after it reach the client only as trailers), and Write fails with [http.ErrBodyNotAllowed]
+// on a status that allows no body; so the first response and its replays
+// agree.
+//
 // A request whose method is not keyed goes straight to the handler, and so
 // does one without a key unless [RequireKey] is set. A malformed key is
 // refused with 400. Every response the middleware writes itself is a
@@ -386,9 +398,19 @@ func sleep(ctx context.Context, d time.Duration) bool {
 
 var errBodyTooLarge = errors.New("request body too large")
 
+// firstBodyBuffer is the most readBody allocates before any of the body
+// has arrived, whatever length the request announces.
+const firstBodyBuffer = 4 << 10
+
 // readBody reads body, whose length is contentLength or -1 if unknown, into
-// buf, which it grows as needed, and fails with errBodyTooLarge past max
-// bytes.
+// buf, and fails with errBodyTooLarge past max bytes.
+//
+// The buffer grows with the bytes that arrive rather than with the length
+// announced, so that requests that announce a large body and send little
+// (slowly, or never) do not pin the memory for it: it starts at buf's
+// capacity, or at most firstBodyBuffer, and doubles as it fills, up to one
+// byte past the announced length (so that reading the EOF needs no growth)
+// and never past max+1.
 func readBody(body io.Reader, contentLength, max int64, buf []byte) ([]byte, error) {
 	if body == nil || body == http.NoBody {
 		return nil, nil
@@ -396,18 +418,17 @@ func readBody(body io.Reader, contentLength, max int64, buf []byte) ([]byte, err
 	if contentLength > max {
 		return nil, errBodyTooLarge
 	}
-	size := contentLength
-	if size < 0 {
-		size = 512
-	}
-	// One byte more than expected, so that reading the EOF needs no growth.
-	if int64(cap(buf)) < size+1 {
-		buf = make([]byte, 0, size+1)
+	expect := max + 1
+	if contentLength >= 0 {
+		expect = contentLength + 1
 	}
 	buf = buf[:0]
+	if int64(cap(buf)) < min(expect, firstBodyBuffer) {
+		buf = make([]byte, 0, min(expect, firstBodyBuffer))
+	}
 	for {
 		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
+			buf = growBody(buf, expect, max)
 		}
 		n, err := body.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
@@ -425,6 +446,19 @@ func readBody(body io.Reader, contentLength, max int64, buf []byte) ([]byte, err
 			return nil, err
 		}
 	}
+}
+
+// growBody returns full buf with twice its capacity, but no more than
+// expect while the body is shorter than it, and never more than max+1.
+func growBody(buf []byte, expect, max int64) []byte {
+	size := 2 * int64(cap(buf))
+	if int64(len(buf)) < expect {
+		size = min(size, expect)
+	}
+	size = min(size, max+1)
+	grown := make([]byte, len(buf), size)
+	copy(grown, buf)
+	return grown
 }
 
 // bodyReader gives the handler the body the middleware read.

@@ -113,6 +113,71 @@ func appendHeaderField(b []byte, name string, values ...string) []byte {
 	return b
 }
 
+// nextField splits the first field off the packed fields b: its name,
+// the number of its values and the values, still packed. It returns the
+// fields after it in rest.
+func nextField(b []byte) (name []byte, count int, values, rest []byte) {
+	n, w := binary.Uvarint(b)
+	name, b = b[w:w+int(n)], b[w+int(n):]
+	nv, w := binary.Uvarint(b)
+	b = b[w:]
+	end := 0
+	for range nv {
+		n, w := binary.Uvarint(b[end:])
+		end += w + int(n)
+	}
+	return name, int(nv), b[:end], b[end:]
+}
+
+// valuesEqual reports whether the count packed values are vs.
+func valuesEqual(count int, values []byte, vs []string) bool {
+	if count != len(vs) {
+		return false
+	}
+	for _, v := range vs {
+		n, w := binary.Uvarint(values)
+		if string(values[w:w+int(n)]) != v {
+			return false
+		}
+		values = values[w+int(n):]
+	}
+	return true
+}
+
+// findField returns the values, packed, of the field name in the packed
+// fields b, and whether b has it.
+func findField(b []byte, name string) (count int, values []byte, ok bool) {
+	for len(b) > 0 {
+		k, count, values, rest := nextField(b)
+		if string(k) == name {
+			return count, values, true
+		}
+		b = rest
+	}
+	return 0, nil, false
+}
+
+// hasField reports whether the packed fields b hold the field name with
+// exactly the values vs.
+func hasField(b []byte, name string, vs []string) bool {
+	count, values, ok := findField(b, name)
+	return ok && valuesEqual(count, values, vs)
+}
+
+// sameFields reports whether h holds exactly the packed fields b.
+func sameFields(h http.Header, b []byte) bool {
+	n := 0
+	for ; len(b) > 0; n++ {
+		k, count, values, rest := nextField(b)
+		vs, ok := h[string(k)]
+		if !ok || !valuesEqual(count, values, vs) {
+			return false
+		}
+		b = rest
+	}
+	return n == len(h)
+}
+
 // fieldsInto sets the packed fields in h, each replacing any values h had
 // for its name, and then sets the extra fields, given as name and value
 // pairs. The values are substrings of fields, and all of them share one
@@ -192,10 +257,12 @@ func (p packed) replay(w http.ResponseWriter) {
 	h := w.Header()
 	if p.omitted {
 		// The stored fields (Location, say) still hold; those that
-		// describe the dropped body do not.
+		// describe the dropped body do not. Fields set in front of the
+		// middleware for this request stay.
 		fieldsInto(h, p.fields, ReplayedHeader, "true")
+		stored := []byte(p.fields)
 		for k := range h {
-			if describesBody(k) {
+			if _, _, ok := findField(stored, k); ok && describesBody(k) {
 				delete(h, k)
 			}
 		}

@@ -21,6 +21,21 @@ const ReplayedHeader = "Idempotent-Replayed"
 // the client until the outcome has been stored, so that a client never sees
 // a response that a retry would not get again.
 //
+// The header map the handler gets is the client's own, as under net/http,
+// and it may already hold fields set by middleware in front of this one (a
+// request id, CORS fields). Those belong to the request, not the response:
+// only the fields the handler set are stored, that is those it added and
+// those whose values it changed (an outer Content-Type it replaced, a Vary
+// it appended to). A replay writes them over its own request's fields and
+// leaves the others alone, so an outer field the handler deleted is still
+// in the replay, with the value of the replay's own request: a stored
+// response can add fields, not remove them.
+//
+// The client gets the fields as they were at WriteHeader, however the
+// handler changes the map after it (through w.Header() or a map it kept
+// from before): under net/http such changes have no effect either, except
+// for trailers, which still reach the client as they would there.
+//
 // Two things make it pass the response through early: a Flush, which a
 // streaming handler uses to reach the client now, and a body larger than
 // the limit. From then on it writes through to the client, still recording
@@ -30,34 +45,50 @@ const ReplayedHeader = "Idempotent-Replayed"
 // (see [buffers]); the fields are kept in packed form (see [packedParts]),
 // ready for the store.
 type recorder struct {
-	w           http.ResponseWriter
-	limit       int64
-	allow       map[string]bool // fields replayed though withheld by default
-	status      int
-	fields      []byte    // replayable fields when the status was written, packed
-	hasLength   bool      // fields include Content-Length
-	length      [1]string // the body's length, once finished, as a field value
-	body        []byte
+	w      http.ResponseWriter
+	limit  int64
+	allow  map[string]bool // fields replayed though withheld by default
+	status int
+	// fields holds three runs of packed fields, one after the other: the
+	// fields of the header map before the handler touched it (up to
+	// outerEnd), all of them at WriteHeader (up to sentEnd), and the
+	// replayable fields the handler set, to be stored (the rest).
+	fields   []byte
+	outerEnd int
+	sentEnd  int
+	length   [1]string // the body's length, once finished, as a field value
+	body     []byte
+	err      error
+	// The flags are together, so that the run's allocation of the
+	// recorder with the body reader stays in a smaller size class.
+	begun       bool // the outer fields are recorded
+	hasLength   bool // the stored fields include Content-Length
 	wroteHeader bool
 	streaming   bool // status and headers have gone to the client
 	tooLarge    bool // the body passed the limit and was dropped
-	err         error
-	late        http.Header // what Header returns after WriteHeader, made on first use
 }
 
-// Header returns the client's header map until WriteHeader: fields set
-// there only reach the client when the recorder lets the response through.
-// After WriteHeader it returns a copy, as changes made then have no effect
-// under net/http either; only trailers set in it reach the client, and the
-// first response stays identical to its replays.
+// begin records the fields the header map holds before the handler first
+// reaches it, which are not the handler's. Every method through which the
+// handler can reach the map calls it first.
+func (c *recorder) begin() {
+	if c.begun {
+		return
+	}
+	c.begun = true
+	c.fields = c.fields[:0]
+	if h := c.w.Header(); len(h) > 0 {
+		c.fields = appendFields(c.fields, h)
+	}
+	c.outerEnd = len(c.fields)
+}
+
+// Header returns the client's header map, as net/http does. Fields set in
+// it only reach the client when the recorder lets the response through,
+// and then as they were at WriteHeader; see [recorder].
 func (c *recorder) Header() http.Header {
-	if !c.wroteHeader {
-		return c.w.Header()
-	}
-	if c.late == nil {
-		c.late = c.w.Header().Clone()
-	}
-	return c.late
+	c.begin()
+	return c.w.Header()
 }
 
 // WriteHeader records the status code. Informational (1xx) responses other
@@ -69,21 +100,33 @@ func (c *recorder) WriteHeader(code int) {
 	if c.wroteHeader {
 		return
 	}
+	c.begin()
+	h := c.w.Header()
 	if code < 200 && code != http.StatusSwitchingProtocols {
 		c.w.WriteHeader(code)
 		return
 	}
 	c.wroteHeader = true
 	c.status = code
+	c.fields = appendFields(c.fields[:c.outerEnd], h)
+	c.sentEnd = len(c.fields)
 	if !released(code) {
-		c.fields, c.hasLength = appendReplayable(c.fields[:0], c.w.Header(), c.allow)
+		c.fields, c.hasLength = appendReplayable(c.fields, h, c.allow, c.fields[:c.outerEnd])
 	}
 }
 
 // Write records p, or passes it through once the response is streaming.
+// As under net/http, it fails with [http.ErrBodyNotAllowed] when the status
+// allows no body (204, 304), and records nothing.
 func (c *recorder) Write(p []byte) (int, error) {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if !bodyAllowed(c.status) {
+		return 0, http.ErrBodyNotAllowed
 	}
 	if !c.tooLarge && int64(len(c.body))+int64(len(p)) > c.limit {
 		c.tooLarge = true
@@ -136,12 +179,15 @@ func (c *recorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 
 // Unwrap returns the client's ResponseWriter, so that
 // [http.ResponseController] can set deadlines and enable full duplex.
-func (c *recorder) Unwrap() http.ResponseWriter { return c.w }
+func (c *recorder) Unwrap() http.ResponseWriter {
+	c.begin()
+	return c.w
+}
 
 // startStreaming sends the status, the headers and the recorded body.
 func (c *recorder) startStreaming() {
 	c.streaming = true
-	c.w.WriteHeader(c.status)
+	c.writeHeader()
 	if len(c.body) > 0 {
 		if _, err := c.w.Write(c.body); err != nil {
 			c.err = err
@@ -161,36 +207,38 @@ func (c *recorder) finish() {
 	}
 }
 
-// deliver sends a response that has not been let through yet, and the
-// trailers of one that has.
+// deliver sends a response that has not been let through yet.
 func (c *recorder) deliver() {
-	defer c.sendTrailers()
 	if c.streaming {
 		return
 	}
-	h := c.w.Header()
-	if bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil && h["Trailer"] == nil {
-		h["Content-Length"] = c.length[:] // the recorder's own array: no allocation
-	}
-	c.w.WriteHeader(c.status)
+	c.writeHeader()
 	if len(c.body) > 0 {
 		_, _ = c.w.Write(c.body)
 	}
 }
 
-// sendTrailers copies the trailer values the handler set after WriteHeader
-// into the client's header map, where net/http looks for them when the
-// handler returns: fields declared in Trailer, and those named with
-// http.TrailerPrefix.
-func (c *recorder) sendTrailers() {
-	if c.late == nil {
-		return
+// writeHeader sends the status with the header fields as they were at
+// WriteHeader. If the handler changed the map since, it is set back first,
+// and the trailers set in it then are copied in after, where net/http
+// looks for them when the handler returns: fields declared in Trailer, and
+// those named with http.TrailerPrefix.
+func (c *recorder) writeHeader() {
+	h := c.w.Header()
+	var late http.Header
+	if !sameFields(h, c.fields[c.outerEnd:c.sentEnd]) {
+		late = h.Clone()
+		clear(h)
+		fieldsInto(h, string(c.fields[c.outerEnd:c.sentEnd]))
 	}
-	live := c.w.Header()
-	declared := live["Trailer"]
-	for k, vv := range c.late {
+	if !c.streaming && bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil && h["Trailer"] == nil {
+		h["Content-Length"] = c.length[:] // the recorder's own array: no allocation
+	}
+	c.w.WriteHeader(c.status)
+	declared := h["Trailer"]
+	for k, vv := range late {
 		if strings.HasPrefix(k, http.TrailerPrefix) || trailerDeclared(declared, k) {
-			live[k] = vv
+			h[k] = vv
 		}
 	}
 }
@@ -210,17 +258,18 @@ func trailerDeclared(trailer []string, key string) bool {
 // parts returns what the recorder holds, after finish, in the pieces of
 // its packed form. They point into the recorder's buffers.
 func (c *recorder) parts() packedParts {
+	fields := c.fields[c.sentEnd:]
 	if c.tooLarge {
-		return packedParts{status: c.status, omitted: true, fields: c.fields}
+		return packedParts{status: c.status, omitted: true, fields: fields}
 	}
-	return packedParts{status: c.status, fields: c.fields, body: c.body}
+	return packedParts{status: c.status, fields: fields, body: c.body}
 }
 
 // response returns what the recorder holds, after finish, as a Response of
 // its own to store.
 func (c *recorder) response() *Response {
 	h := make(http.Header)
-	fieldsInto(h, string(c.fields))
+	fieldsInto(h, string(c.fields[c.sentEnd:]))
 	if c.tooLarge {
 		return &Response{Status: c.status, Header: h, BodyOmitted: true}
 	}
@@ -242,7 +291,7 @@ func (c *recorder) release(bufs *buffers) {
 // replayable returns a copy of h without the fields that must not be
 // replayed; see appendReplayable.
 func replayable(h http.Header, allow map[string]bool) http.Header {
-	b, _ := appendReplayable(nil, h, allow)
+	b, _ := appendReplayable(nil, h, allow, nil)
 	out := make(http.Header)
 	fieldsInto(out, string(b))
 	return out
@@ -250,14 +299,15 @@ func replayable(h http.Header, allow map[string]bool) http.Header {
 
 // appendReplayable appends to b, packed, the fields of h that may be
 // replayed: all but the hop-by-hop fields, those named in Connection,
-// trailers, and Set-Cookie unless allow names it. It also reports whether
-// Content-Length is among them.
-func appendReplayable(b []byte, h http.Header, allow map[string]bool) ([]byte, bool) {
+// trailers, Set-Cookie unless allow names it, and those that outer, in
+// packed form, holds with the same values, which are not the handler's.
+// It also reports whether Content-Length is among them.
+func appendReplayable(b []byte, h http.Header, allow map[string]bool, outer []byte) ([]byte, bool) {
 	// Most responses have no Connection field, so the fields are appended
 	// in one pass; only when it finds one are they appended again without
 	// the fields it names.
 	start := len(b)
-	b, hasLength, connection := appendKept(b, h, allow, nil)
+	b, hasLength, connection := appendKept(b, h, allow, nil, outer)
 	if !connection {
 		return b, hasLength
 	}
@@ -274,18 +324,21 @@ func appendReplayable(b []byte, h http.Header, allow map[string]bool) ([]byte, b
 			}
 		}
 	}
-	b, hasLength, _ = appendKept(b[:start], h, allow, named)
+	b, hasLength, _ = appendKept(b[:start], h, allow, named, outer)
 	return b, hasLength
 }
 
 // appendKept is appendReplayable with the fields named in Connection given
 // as named. It also reports whether h has a Connection field.
-func appendKept(b []byte, h http.Header, allow, named map[string]bool) (_ []byte, hasLength, connection bool) {
+func appendKept(b []byte, h http.Header, allow, named map[string]bool, outer []byte) (_ []byte, hasLength, connection bool) {
 	for k, vs := range h {
 		ck := textproto.CanonicalMIMEHeaderKey(k)
 		if hopByHop(ck) || named[ck] || strings.HasPrefix(k, http.TrailerPrefix) ||
 			ck == ReplayedHeader || (ck == "Set-Cookie" && !allow[ck]) {
 			connection = connection || ck == "Connection"
+			continue
+		}
+		if len(outer) > 0 && hasField(outer, k, vs) {
 			continue
 		}
 		hasLength = hasLength || k == "Content-Length"

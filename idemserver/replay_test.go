@@ -4,13 +4,18 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httptrace"
 	"net/textproto"
+	"slices"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -309,14 +314,8 @@ func TestTrailersReachTheFirstClient(t *testing.T) {
 	})
 	srv := httptest.NewServer(Middleware(nil)(h))
 	defer srv.Close()
-	req, err := http.NewRequest(http.MethodPost, srv.URL+"/x", strings.NewReader("b"))
-	require.NoError(t, err)
-	req.Header.Set(DefaultKeyHeader, "k")
-	resp, err := srv.Client().Do(req)
-	require.NoError(t, err)
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	assert.Equal(t, "made", string(body))
+	resp, body := postKeyed(t, srv.Client(), srv.URL+"/x", "k")
+	assert.Equal(t, "made", body)
 	assert.Equal(t, "abc", resp.Trailer.Get("X-Checksum"))
 	assert.Equal(t, "def", resp.Trailer.Get("X-Extra"))
 }
@@ -334,11 +333,297 @@ func TestTooLargeResponseReplaysItsHeaders(t *testing.T) {
 	})
 	mw := Middleware(nil, WithMaxResponseBytes(10))(h)
 	first := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
-	replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	// A field of the replay's own request, set in front of the middleware,
+	// stays, though its name is like those that describe a body.
+	replay := httptest.NewRecorder()
+	replay.Header().Set("Content-Security-Policy", "default-src 'self'")
+	mw.ServeHTTP(replay, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, "default-src 'self'", replay.Header().Get("Content-Security-Policy"))
 	require.Equal(t, "/orders/42", first.Header().Get("Location"))
 	assert.Equal(t, http.StatusCreated, replay.Code)
 	assert.Equal(t, "/orders/42", replay.Header().Get("Location"))
 	assert.Equal(t, "application/problem+json", replay.Header().Get("Content-Type"))
 	assert.Empty(t, replay.Header().Get("Etag"))
 	assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+}
+
+// postKeyed sends a keyed POST to url and returns the response with its
+// body read, so that its trailers have arrived.
+func postKeyed(t *testing.T, client *http.Client, url, key string) (*http.Response, string) {
+	t.Helper()
+	return sendKeyed(t, client, http.MethodPost, url, key)
+}
+
+// sendKeyed is postKeyed with another method.
+func sendKeyed(t *testing.T, client *http.Client, method, url, key string) (*http.Response, string) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), method, url, strings.NewReader("b"))
+	require.NoError(t, err)
+	req.Header.Set(DefaultKeyHeader, key)
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp, string(body)
+}
+
+// A handler may keep the map w.Header() returned before WriteHeader, which
+// is the client's own, and edit it later. Under net/http only trailers set
+// in it then reach the client; behind the middleware too, whether the
+// response is held back or streamed, and its replays equal it.
+func TestKeptHeaderMapEditedAfterWriteHeader(t *testing.T) {
+	for _, flush := range []bool{false, true} {
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			h := w.Header()
+			h.Set("Content-Type", "text/plain")
+			h.Set("X-Early", "1")
+			h.Set("Trailer", "X-Checksum")
+			w.WriteHeader(http.StatusCreated)
+			h.Set("X-Late", "1")
+			h.Del("X-Early")
+			h.Set("Content-Type", "application/json")
+			h.Set("X-Checksum", "abc")
+			h.Set(http.TrailerPrefix+"X-Extra", "def")
+			if flush {
+				w.(http.Flusher).Flush()
+				h.Set("X-After-Flush", "1")
+			}
+			_, _ = io.WriteString(w, "made")
+		})
+		for _, behind := range []bool{false, true} {
+			t.Run(fmt.Sprintf("flush=%v/middleware=%v", flush, behind), func(t *testing.T) {
+				var srv *httptest.Server
+				if behind {
+					srv = httptest.NewServer(Middleware(nil)(h))
+				} else {
+					srv = httptest.NewServer(h)
+				}
+				defer srv.Close()
+				resp, body := postKeyed(t, srv.Client(), srv.URL, "k")
+				assert.Equal(t, http.StatusCreated, resp.StatusCode)
+				assert.Equal(t, "made", body)
+				assert.Equal(t, "1", resp.Header.Get("X-Early"))
+				assert.Equal(t, "text/plain", resp.Header.Get("Content-Type"))
+				assert.Empty(t, resp.Header.Values("X-Late"))
+				assert.Empty(t, resp.Header.Values("X-After-Flush"))
+				assert.Equal(t, "abc", resp.Trailer.Get("X-Checksum"))
+				assert.Equal(t, "def", resp.Trailer.Get("X-Extra"))
+				if !behind {
+					return
+				}
+				replay, replayBody := postKeyed(t, srv.Client(), srv.URL, "k")
+				require.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+				assert.Equal(t, http.StatusCreated, replay.StatusCode)
+				assert.Equal(t, body, replayBody)
+				for _, k := range []string{"X-Early", "Content-Type", "X-Late", "X-After-Flush"} {
+					assert.Equal(t, resp.Header.Values(k), replay.Header.Values(k), k)
+				}
+			})
+		}
+	}
+}
+
+// outerFields is middleware in front of the idempotency middleware: it
+// sets fields of its own on every response, one of them unique to the
+// request.
+func outerFields(next http.Handler) http.Handler {
+	var n atomic.Int64
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Request-Id", "req-"+strconv.FormatInt(n.Add(1), 10))
+		w.Header().Set("Access-Control-Allow-Origin", "*")
+		w.Header().Set("Vary", "Origin")
+		w.Header().Set("X-Debug", "on")
+		next.ServeHTTP(w, r)
+	})
+}
+
+// Fields set by middleware in front of this one belong to each request:
+// the replay carries its own request's, and only the fields the handler set
+// or changed are stored and replayed.
+func TestOuterFieldsBelongToEachRequest(t *testing.T) {
+	var storedHeader http.Header
+	stub := newStubStore()
+	stub.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+		storedHeader = resp.Header.Clone()
+		return stub.MemoryStore.Complete(ctx, k, token, resp, exp)
+	}
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Add("Vary", "Accept")
+		w.Header()["X-Multi"] = []string{"a", "", "b, c"}
+		w.Header().Set("Location", "/orders/1")
+		w.Header().Del("X-Debug")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, `{"id":1}`)
+	})
+	handlerFields := []string{"Content-Type", "Vary", "X-Multi", "Location", "Content-Length"}
+	for _, tt := range []struct {
+		name  string
+		store Store
+	}{{"MemoryStore", NewMemoryStore()}, {"other store", stub}} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewServer(outerFields(Middleware(tt.store)(h)))
+			defer srv.Close()
+			first, firstBody := postKeyed(t, srv.Client(), srv.URL, "k")
+			replay, replayBody := postKeyed(t, srv.Client(), srv.URL, "k")
+			require.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+
+			assert.Equal(t, "req-1", first.Header.Get("X-Request-Id"))
+			assert.Equal(t, "req-2", replay.Header.Get("X-Request-Id"), "the replay keeps its own request's field")
+			for _, resp := range []*http.Response{first, replay} {
+				assert.Equal(t, []string{"*"}, resp.Header.Values("Access-Control-Allow-Origin"))
+				assert.Equal(t, []string{"Origin", "Accept"}, resp.Header.Values("Vary"),
+					"a field the handler changed is the handler's")
+			}
+			assert.Empty(t, first.Header.Values("X-Debug"), "the handler deleted it")
+			assert.Equal(t, "on", replay.Header.Get("X-Debug"),
+				"a deleted outer field cannot be deleted from the replay request's response")
+
+			assert.Equal(t, first.StatusCode, replay.StatusCode)
+			assert.Equal(t, firstBody, replayBody)
+			for _, k := range handlerFields {
+				assert.Equal(t, first.Header.Values(k), replay.Header.Values(k), k)
+			}
+			if tt.store == Store(stub) {
+				assert.ElementsMatch(t, handlerFields, slices.Collect(maps.Keys(storedHeader)),
+					"only the handler's fields are stored")
+			}
+		})
+	}
+}
+
+// Replayed fields are byte-identical to the first response's on the wire,
+// values in order, whatever fields the outer middleware sets.
+func TestHandlerFieldsReplayByteIdentically(t *testing.T) {
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["X-Multi"] = []string{"z", "", "a, b", "\tq"}
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("Access-Control-Allow-Origin", "https://example.com") // overrides the outer value
+		w.WriteHeader(http.StatusAccepted)
+		_, _ = io.WriteString(w, "queued")
+	})
+	srv := httptest.NewServer(outerFields(Middleware(nil)(h)))
+	defer srv.Close()
+	first := rawPost(t, srv.Listener.Addr().String(), "k")
+	replay := rawPost(t, srv.Listener.Addr().String(), "k")
+	drop := func(lines []string, names ...string) []string {
+		return slices.DeleteFunc(slices.Clone(lines), func(l string) bool {
+			for _, n := range names {
+				if strings.HasPrefix(strings.ToLower(l), strings.ToLower(n)+":") {
+					return true
+				}
+			}
+			return false
+		})
+	}
+	// The per-request fields differ; everything else is the same bytes.
+	assert.Equal(t, drop(first, "Date", "X-Request-Id"), drop(replay, "Date", "X-Request-Id", ReplayedHeader))
+	i, j := slices.Index(first, "X-Multi: z"), slices.Index(first, "X-Multi: a, b")
+	assert.True(t, i >= 0 && i < j, "values in the handler's order: %q", first)
+	assert.Contains(t, replay, "X-Request-Id: req-2")
+	assert.Contains(t, replay, ReplayedHeader+": true")
+}
+
+// rawPost sends a keyed POST over a new connection and returns the
+// response's lines as they arrived (net/http writes the fields sorted by
+// name, each field's values in order), then an empty line and the body.
+func rawPost(t *testing.T, addr, key string) []string {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = io.WriteString(conn, "POST /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"+
+		DefaultKeyHeader+": "+key+"\r\nContent-Length: 1\r\n\r\nb")
+	require.NoError(t, err)
+	raw, err := io.ReadAll(conn)
+	require.NoError(t, err)
+	head, body, ok := strings.Cut(string(raw), "\r\n\r\n")
+	require.True(t, ok, "response: %q", raw)
+	return append(strings.Split(head, "\r\n"), "", body)
+}
+
+// Write on a response whose status allows no body fails as under net/http;
+// the status still reaches the client, and nothing is recorded for replay.
+func TestWriteWhereBodyNotAllowed(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		method  string
+		status  int // 0: none before the write
+		inform  int // a 1xx written first
+		write   string
+		wantErr error
+	}{
+		{"204", http.MethodPost, http.StatusNoContent, 0, "x", http.ErrBodyNotAllowed},
+		{"304", http.MethodPost, http.StatusNotModified, 0, "x", http.ErrBodyNotAllowed},
+		{"204 empty write", http.MethodPost, http.StatusNoContent, 0, "", nil},
+		{"200", http.MethodPost, http.StatusOK, 0, "x", nil},
+		{"implicit 200", http.MethodPost, 0, 0, "x", nil},
+		{"103 then implicit 200", http.MethodPost, 0, http.StatusEarlyHints, "x", nil},
+		{"103 then 204", http.MethodPost, http.StatusNoContent, http.StatusEarlyHints, "x", http.ErrBodyNotAllowed},
+		{"HEAD 200", http.MethodHead, http.StatusOK, 0, "x", nil},
+		{"HEAD 204", http.MethodHead, http.StatusNoContent, 0, "x", http.ErrBodyNotAllowed},
+	} {
+		for _, behind := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/middleware=%v", tt.name, behind), func(t *testing.T) {
+				var writeErr []error
+				var wrote []int
+				// The client may have the response before the handler
+				// returns: a handler run is waited for before the next
+				// request.
+				ran := make(chan struct{}, 1)
+				h := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					defer func() { ran <- struct{}{} }()
+					if tt.inform != 0 {
+						w.WriteHeader(tt.inform)
+					}
+					if tt.status != 0 {
+						w.WriteHeader(tt.status)
+					}
+					n, err := io.WriteString(w, tt.write)
+					wrote, writeErr = append(wrote, n), append(writeErr, err)
+					// A second write after streaming began fails the same way.
+					w.(http.Flusher).Flush()
+					n, err = io.WriteString(w, tt.write)
+					wrote, writeErr = append(wrote, n), append(writeErr, err)
+				}))
+				if behind {
+					h = Middleware(nil, WithMethods(tt.method))(h)
+				}
+				srv := httptest.NewServer(h)
+				defer srv.Close()
+				want := tt.status
+				if want == 0 {
+					want = http.StatusOK
+				}
+				wantBody := ""
+				if tt.wantErr == nil && tt.method != http.MethodHead {
+					wantBody = tt.write + tt.write
+				}
+				for i := range 2 {
+					resp, body := sendKeyed(t, srv.Client(), tt.method, srv.URL, "k")
+					assert.Equal(t, want, resp.StatusCode)
+					assert.Equal(t, wantBody, body)
+					if i == 1 && behind {
+						assert.Equal(t, "true", resp.Header.Get(ReplayedHeader))
+					} else {
+						<-ran
+					}
+				}
+				wantN := len(tt.write)
+				if tt.wantErr != nil {
+					wantN = 0
+				}
+				calls := 2
+				if behind {
+					calls = 1
+				}
+				require.Len(t, writeErr, 2*calls)
+				for i := range writeErr {
+					assert.Equal(t, wantN, wrote[i])
+					assert.Equal(t, tt.wantErr, writeErr[i])
+				}
+			})
+		}
+	}
 }
