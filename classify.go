@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/textproto"
 	"strings"
 	"syscall"
 )
@@ -108,10 +109,32 @@ func classifyError(err error, callerCtx, attemptCtx context.Context) errorClass 
 	if errors.As(err, &netErr) && netErr.Timeout() {
 		return errTransient
 	}
+	if isTruncatedResponse(err) {
+		return errTransient
+	}
 	if isHTTP2Transient(err) {
 		return errTransient
 	}
 	return errFinal
+}
+
+// isTruncatedResponse recognises a response whose status line or header
+// block could not be parsed, which is what a connection cut in the middle
+// of them looks like: net/http reports the bytes it got as malformed rather
+// than as an unexpected EOF, unless the cut falls at the end of a line.
+// Like any response lost in transit, it says nothing of whether the server
+// acted. A server that really sends garbage is retried too, within the
+// attempt limit, which costs a few attempts and breaks nothing.
+func isTruncatedResponse(err error) bool {
+	var header textproto.ProtocolError
+	if errors.As(err, &header) {
+		return true // "malformed MIME header...": the header block
+	}
+	// The status line: net/http's errors for it have no type of their own.
+	msg := err.Error()
+	return strings.Contains(msg, "malformed HTTP response") ||
+		strings.Contains(msg, "malformed HTTP status code") ||
+		strings.Contains(msg, "malformed HTTP version")
 }
 
 // isHTTP2Transient recognises HTTP/2 connection shutdowns and stream resets.
