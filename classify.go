@@ -41,10 +41,17 @@ func retryableStatus(code int, header http.Header) bool {
 }
 
 // finalStatus reports whether a response ends an operation for good, so its
-// idempotency key can be forgotten: a success, a redirect, or a client error
-// that sending again would not change.
+// idempotency key can be forgotten: a success, a redirect other than 307 and
+// 308, or a client error that sending again would not change. A 307 or 308
+// asks for the same request to be sent elsewhere, where it has yet to run.
 func finalStatus(code int, header http.Header) bool {
-	return code < 400 || (code < 500 && !retryableStatus(code, header))
+	switch {
+	case code == http.StatusTemporaryRedirect || code == http.StatusPermanentRedirect:
+		return false
+	case code < 400:
+		return true
+	}
+	return code < 500 && !retryableStatus(code, header)
 }
 
 // errorClass is what an attempt's error says about retrying it.

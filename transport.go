@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"slices"
 	"time"
+
+	"github.com/idemhttp/idemhttp/internal/sfv"
 )
 
 // Transport is an [http.RoundTripper] that retries safely. Each call to
@@ -37,6 +39,20 @@ import (
 // for it delays that call, not the response. A response returned because
 // retries ran out, or any other outcome that is not final, leaves the key
 // pending as it is.
+//
+// A 307 or 308 asks for the same request to be sent to another URL, so it
+// does not end the request's operation: when [http.Client] follows it, the
+// request it sends carries the key of the request redirected, and an
+// operation's key stays pending until that request's outcome is final.
+// http.Client builds the redirected request from the caller's, which has
+// no key the Transport added, and points its Response field at the 307 or
+// 308; the Transport takes the key from that response's Request, the
+// attempt that was sent. (The redirected request keeps the caller's
+// context, so an operation's pending key would be found in the KeyStore
+// anyway.) A 307 or 308 that is not followed, for want of a Location, a
+// CheckRedirect that stops it, or a request body without GetBody, is
+// returned with its operation's key still pending. Other redirects are
+// final: http.Client follows them with a GET, a request of its own.
 //
 // Each host (scheme, host and port) is guarded by a retry budget and a
 // circuit breaker, and optionally by a rate limit; see [Budget],
@@ -211,14 +227,17 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 }
 
 // assignKey decides the idempotency key: the caller's, the operation's
-// pending key, or a new one.
+// pending key, the key of the request a redirect answered, or a new one.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
 	c.key = c.req.Header.Get(cfg.keyHeader)
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
-		key, err := cfg.newKey()
-		if err != nil {
-			return err
+		key := c.redirectedKey()
+		var err error
+		if key == "" {
+			if key, err = cfg.newKey(); err != nil {
+				return err
+			}
 		}
 		if op, ok := OperationFrom(c.ctx); ok {
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
@@ -235,6 +254,29 @@ func (c *call) assignKey() error {
 	}
 	c.resend = idempotentMethod(c.req.Method) || c.key != ""
 	return nil
+}
+
+// redirectedKey returns the key sent with the request that a 307 or 308
+// redirected to this one, or "" if this request follows no such redirect.
+// [http.Client] builds the redirected request from the caller's, which has
+// no key the Transport added, and links it to the redirect in its Response
+// field; that response's Request is the attempt that was sent, header and
+// key included.
+func (c *call) redirectedKey() string {
+	prev := c.req.Response
+	if prev == nil || prev.Request == nil ||
+		(prev.StatusCode != http.StatusTemporaryRedirect && prev.StatusCode != http.StatusPermanentRedirect) {
+		return ""
+	}
+	value := prev.Request.Header.Get(c.t.cfg.keyHeader)
+	if c.t.cfg.structuredKey && value != "" {
+		key, err := sfv.Unquote(value)
+		if err != nil {
+			return ""
+		}
+		return key
+	}
+	return value
 }
 
 // admit readies attempt n: the host's rate limiter must have room for it
