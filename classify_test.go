@@ -20,8 +20,7 @@ import (
 type rawServer struct {
 	l    net.Listener
 	wg   sync.WaitGroup
-	mu   sync.Mutex
-	keys []string // the key header of each request, in order
+	keys recorder[string] // the key header of each request, in order
 }
 
 func newRawServer(t *testing.T, full string, prefix, cuts int) *rawServer {
@@ -44,11 +43,7 @@ func newRawServer(t *testing.T, full string, prefix, cuts int) *rawServer {
 						return
 					}
 					_, _ = io.Copy(io.Discard, req.Body)
-					s.mu.Lock()
-					s.keys = append(s.keys, req.Header.Get("Idempotency-Key"))
-					n := len(s.keys)
-					s.mu.Unlock()
-					if n <= cuts {
+					if s.keys.add(req.Header.Get("Idempotency-Key")) <= cuts {
 						io.WriteString(conn, full[:prefix])
 						return
 					}
@@ -66,11 +61,7 @@ func newRawServer(t *testing.T, full string, prefix, cuts int) *rawServer {
 
 func (s *rawServer) url() string { return "http://" + s.l.Addr().String() }
 
-func (s *rawServer) received() []string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]string(nil), s.keys...)
-}
+func (s *rawServer) received() []string { return s.keys.all() }
 
 // A response lost in the middle of its header block, wherever the cut
 // falls, is a lost response: a request that may be sent again is retried,

@@ -232,14 +232,9 @@ func TestOperationRetriedAfterCutBodyIsReplayed(t *testing.T) {
 		fmt.Fprintf(w, `{"payment":"pay_%d","note":"a body long enough to be cut in the middle"}`, n)
 	})
 	mw := idemserver.Middleware(idemserver.NewMemoryStore())(charge)
-	var calls atomic.Int32
-	var keys []string
-	var mu sync.Mutex
+	var keys recorder[string]
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		keys = append(keys, r.Header.Get("Idempotency-Key"))
-		mu.Unlock()
-		if calls.Add(1) > 1 {
+		if keys.add(r.Header.Get("Idempotency-Key")) > 1 {
 			mw.ServeHTTP(w, r)
 			return
 		}
@@ -278,9 +273,8 @@ func TestOperationRetriedAfterCutBodyIsReplayed(t *testing.T) {
 	assert.Equal(t, "true", resp.Header.Get("Idempotent-Replayed"))
 	assert.Contains(t, string(body), `"pay_1"`)
 	assert.Equal(t, int32(1), executions.Load(), "the charge ran once")
-	mu.Lock()
-	require.Len(t, keys, 2)
-	assert.Equal(t, keys[0], keys[1])
-	mu.Unlock()
+	sent := keys.all()
+	require.Len(t, sent, 2)
+	assert.Equal(t, sent[0], sent[1])
 	assert.Empty(t, pendingKeys(t, store), "released once the replay was read")
 }

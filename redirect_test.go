@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -15,24 +14,6 @@ import (
 
 	"github.com/idemhttp/idemhttp/idemserver"
 )
-
-// keyLog records the key header each hop of a redirected request saw.
-type keyLog struct {
-	mu   sync.Mutex
-	keys []string
-}
-
-func (l *keyLog) add(k string) {
-	l.mu.Lock()
-	l.keys = append(l.keys, k)
-	l.mu.Unlock()
-}
-
-func (l *keyLog) all() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), l.keys...)
-}
 
 // A 307 or 308 is not the end of a keyed request: http.Client sends it
 // again to the new location, and that request carries the same key, whether
@@ -56,7 +37,7 @@ func TestRedirectedRequestKeepsItsKey(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			store := NewMemoryKeyStore()
-			var seen keyLog
+			var seen recorder[string] // the key each hop saw
 			var executions atomic.Int32
 			var pendingInHandler atomic.Pointer[map[string]string]
 			final := idemserver.Middleware(idemserver.NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
