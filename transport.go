@@ -33,12 +33,11 @@ import (
 // pending even once it is closed, so that calling again with the same
 // operation id sends the same key and gets the server's replay of the
 // outcome the caller missed. A body neither read to its end nor closed
-// keeps the key pending.
-// The release happens once, in the Read that returns [io.EOF] or in Close
-// after the connection has been handed back; a durable KeyStore's write
-// for it delays that call, not the response. A response returned because
-// retries ran out, or any other outcome that is not final, leaves the key
-// pending as it is.
+// keeps the key pending. The release happens once, in the Read that
+// returns [io.EOF] or in Close after the connection has been handed back;
+// a durable KeyStore's write for it delays that call, not the response. A
+// response returned because retries ran out, or any other outcome that is
+// not final, leaves the key pending as it is.
 //
 // A 307 or 308 asks for the same request to be sent to another URL, so it
 // does not end the request's operation: when [http.Client] follows it, the
