@@ -55,7 +55,9 @@ const (
 	// asked for with Retry-After, which exceeded the backoff delay.
 	ReasonRetryAfter Reason = "retry-after"
 
-	// ReasonSuccess: a 2xx or 3xx response; the outcome is final.
+	// ReasonSuccess: a 2xx or 3xx response, returned to the caller. The
+	// outcome is final except for a 307 or 308, which asks for the request
+	// to be sent to another URL, with the same key.
 	ReasonSuccess Reason = "success"
 	// ReasonNotRetryable: the status or error is not one that is retried,
 	// or the request is not safe to send again.

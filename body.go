@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"sync/atomic"
 	"time"
 )
 
@@ -176,15 +177,43 @@ func readBounded(body io.ReadCloser) (buf []byte, ok bool) {
 	return buf, err == nil && inTime && len(buf) <= maxDrain
 }
 
-// cancelOnClose ends an attempt's context when the caller closes the
-// response body, keeping the context alive while the body is read.
-type cancelOnClose struct {
+// responseBody is the body of the response RoundTrip returns when
+// something remains to be done once the caller is through with it: end the
+// attempt's context, which must live while the body is read, and release
+// the operation's key once the outcome has reached the caller.
+//
+// The key is released when a read reaches the end of the body, or when the
+// body is closed before any read failed; a read that fails (the connection
+// cut, the attempt timeout ending the read) keeps it pending, and so does
+// a Close after such a read. Whichever of these comes first decides, once:
+// a Close that races with a blocked Read decides before the Read fails
+// because of it.
+type responseBody struct {
 	io.ReadCloser
-	cancel func()
+	cancel context.CancelFunc // ends the attempt's context
+
+	// The operation's key, released once the body is delivered; operation
+	// is "" when there is none to release.
+	t              *Transport
+	ctx            context.Context
+	operation, key string
+	decided        atomic.Bool // the key was released or is kept
 }
 
-func (b *cancelOnClose) Close() error {
+func (b *responseBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err != nil && b.operation != "" && b.decided.CompareAndSwap(false, true) && err == io.EOF {
+		b.t.releaseKey(b.ctx, b.operation, b.key)
+	}
+	return n, err
+}
+
+func (b *responseBody) Close() error {
+	release := b.operation != "" && b.decided.CompareAndSwap(false, true)
 	err := b.ReadCloser.Close()
 	b.cancel()
+	if release {
+		b.t.releaseKey(b.ctx, b.operation, b.key)
+	}
 	return err
 }

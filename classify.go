@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/textproto"
 	"strings"
 	"syscall"
 )
@@ -40,10 +41,17 @@ func retryableStatus(code int, header http.Header) bool {
 }
 
 // finalStatus reports whether a response ends an operation for good, so its
-// idempotency key can be forgotten: a success, a redirect, or a client error
-// that sending again would not change.
+// idempotency key can be forgotten: a success, a redirect other than 307 and
+// 308, or a client error that sending again would not change. A 307 or 308
+// asks for the same request to be sent elsewhere, where it has yet to run.
 func finalStatus(code int, header http.Header) bool {
-	return code < 400 || (code < 500 && !retryableStatus(code, header))
+	switch {
+	case code == http.StatusTemporaryRedirect || code == http.StatusPermanentRedirect:
+		return false
+	case code < 400:
+		return true
+	}
+	return code < 500 && !retryableStatus(code, header)
 }
 
 // errorClass is what an attempt's error says about retrying it.
@@ -108,10 +116,32 @@ func classifyError(err error, callerCtx, attemptCtx context.Context) errorClass 
 	if errors.As(err, &netErr) && netErr.Timeout() {
 		return errTransient
 	}
+	if isTruncatedResponse(err) {
+		return errTransient
+	}
 	if isHTTP2Transient(err) {
 		return errTransient
 	}
 	return errFinal
+}
+
+// isTruncatedResponse recognises a response whose status line or header
+// block could not be parsed, which is what a connection cut in the middle
+// of them looks like: net/http reports the bytes it got as malformed rather
+// than as an unexpected EOF, unless the cut falls at the end of a line.
+// Like any response lost in transit, it says nothing of whether the server
+// acted. A server that really sends garbage is retried too, within the
+// attempt limit, which costs a few attempts and breaks nothing.
+func isTruncatedResponse(err error) bool {
+	var header textproto.ProtocolError
+	if errors.As(err, &header) {
+		return true // "malformed MIME header...": the header block
+	}
+	// The status line: net/http's errors for it have no type of their own.
+	msg := err.Error()
+	return strings.Contains(msg, "malformed HTTP response") ||
+		strings.Contains(msg, "malformed HTTP status code") ||
+		strings.Contains(msg, "malformed HTTP version")
 }
 
 // isHTTP2Transient recognises HTTP/2 connection shutdowns and stream resets.

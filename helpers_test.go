@@ -123,3 +123,24 @@ func okResponse(r *http.Request, code int, header ...string) *http.Response {
 		Body: io.NopCloser(bytes.NewReader(nil)), Request: r, ProtoMajor: 1, ProtoMinor: 1,
 	}
 }
+
+// recorder collects values added by concurrent goroutines.
+type recorder[T any] struct {
+	mu    sync.Mutex
+	items []T
+}
+
+// add appends v and returns how many values there are with it.
+func (r *recorder[T]) add(v T) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.items = append(r.items, v)
+	return len(r.items)
+}
+
+// all returns a copy of the values added so far, in order.
+func (r *recorder[T]) all() []T {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]T(nil), r.items...)
+}

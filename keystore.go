@@ -19,7 +19,11 @@ const MaxOperationIDLen = 1024
 //
 // A key is pending from the Acquire that records it until the Release that
 // forgets it. The Transport releases a key only when the operation's outcome
-// is final; a key whose retries ran out stays pending for the next call.
+// is final and the caller has read it (see [Transport]); a key whose
+// retries ran out, or whose response body was lost in transit, stays
+// pending for the next call. The Transport calls Release from the caller's
+// Read or Close of the response body, so a store that makes releases
+// durable delays that call by its write.
 //
 // Implementations must be safe for concurrent use by multiple goroutines.
 type KeyStore interface {

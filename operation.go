@@ -10,6 +10,11 @@ type operationKey struct{}
 // else a new key recorded before the first attempt is sent. Use one id per
 // business operation (an order number, a payment intent) and reuse it when
 // the operation is retried later or after a restart.
+//
+// The key is released when the operation's final response has been
+// received: its body read to the end, or closed before a read of it
+// failed (see [Transport]). Until then, including when the response body
+// is lost in transit, a call with the same id sends the same key again.
 func WithOperation(ctx context.Context, id string) context.Context {
 	return context.WithValue(ctx, operationKey{}, id)
 }

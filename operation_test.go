@@ -23,6 +23,9 @@ func TestOperationKeyLifecycle(t *testing.T) {
 	}{
 		{"2xx releases", []func(http.ResponseWriter, *http.Request){status(201)}, false},
 		{"3xx releases", []func(http.ResponseWriter, *http.Request){status(304)}, false},
+		{"303 releases", []func(http.ResponseWriter, *http.Request){status(303, "Location", "/done")}, false},
+		{"307 stays pending", []func(http.ResponseWriter, *http.Request){status(307, "Location", "/elsewhere")}, true},
+		{"308 stays pending", []func(http.ResponseWriter, *http.Request){status(308, "Location", "/elsewhere")}, true},
 		{"retried then 2xx releases", []func(http.ResponseWriter, *http.Request){status(503), status(200)}, false},
 		{"non-retryable 4xx releases", []func(http.ResponseWriter, *http.Request){status(422)}, false},
 		{"plain 409 releases", []func(http.ResponseWriter, *http.Request){status(409)}, false},

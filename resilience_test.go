@@ -72,32 +72,21 @@ func roundTrip(rt http.RoundTripper, req *http.Request) (int, error) {
 }
 
 // hookRecorder collects what the attempt hook was given.
-type hookRecorder struct {
-	mu       sync.Mutex
-	attempts []Attempt
-}
+type hookRecorder struct{ recorder[Attempt] }
 
-func (h *hookRecorder) hook(a Attempt) {
-	h.mu.Lock()
-	h.attempts = append(h.attempts, a)
-	h.mu.Unlock()
-}
+func (h *hookRecorder) hook(a Attempt) { h.add(a) }
 
 func (h *hookRecorder) reasons() []Reason {
-	h.mu.Lock()
-	defer h.mu.Unlock()
 	var rs []Reason
-	for _, a := range h.attempts {
+	for _, a := range h.all() {
 		rs = append(rs, a.Reason)
 	}
 	return rs
 }
 
 func (h *hookRecorder) changes() []BreakerChange {
-	h.mu.Lock()
-	defer h.mu.Unlock()
 	var cs []BreakerChange
-	for _, a := range h.attempts {
+	for _, a := range h.all() {
 		cs = append(cs, a.BreakerChanges...)
 	}
 	return cs

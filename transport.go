@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"slices"
 	"time"
+
+	"github.com/idemhttp/idemhttp/internal/sfv"
 )
 
 // Transport is an [http.RoundTripper] that retries safely. Each call to
@@ -20,6 +22,36 @@ import (
 // never both; a response with a failing status after the last attempt is a
 // response, not an error. The context of the attempt that produced the
 // returned response stays alive until the caller closes the response body.
+//
+// A request whose context names an operation ([WithOperation]) takes its
+// key from the [KeyStore], and the key is released only once the
+// operation's final outcome has reached the caller in full: when the
+// response body has been read to its end, or closed before any read of it
+// failed. A response without a body (to HEAD, a 204, a 304, an empty one)
+// releases it before RoundTrip returns. A body whose read fails (the
+// connection cut, the attempt timeout ending the read) leaves the key
+// pending even once it is closed, so that calling again with the same
+// operation id sends the same key and gets the server's replay of the
+// outcome the caller missed. A body neither read to its end nor closed
+// keeps the key pending. The release happens once, in the Read that
+// returns [io.EOF] or in Close after the connection has been handed back;
+// a durable KeyStore's write for it delays that call, not the response. A
+// response returned because retries ran out, or any other outcome that is
+// not final, leaves the key pending as it is.
+//
+// A 307 or 308 asks for the same request to be sent to another URL, so it
+// does not end the request's operation: when [http.Client] follows it, the
+// request it sends carries the key of the request redirected, and an
+// operation's key stays pending until that request's outcome is final.
+// http.Client builds the redirected request from the caller's, which has
+// no key the Transport added, and points its Response field at the 307 or
+// 308; the Transport takes the key from that response's Request, the
+// attempt that was sent. (The redirected request keeps the caller's
+// context, so an operation's pending key would be found in the KeyStore
+// anyway.) A 307 or 308 that is not followed, for want of a Location, a
+// CheckRedirect that stops it, or a request body without GetBody, is
+// returned with its operation's key still pending. Other redirects are
+// final: http.Client follows them with a GET, a request of its own.
 //
 // Each host (scheme, host and port) is guarded by a retry budget and a
 // circuit breaker, and optionally by a rate limit; see [Budget],
@@ -144,14 +176,34 @@ func (c *call) run() (*http.Response, error) {
 			o.cancel()
 			return nil, c.giveUp(n, reason, o.err)
 		}
-		if finalStatus(o.resp.StatusCode, o.resp.Header) {
-			c.release()
-		}
-		if c.t.cfg.attemptTimeout > 0 {
-			o.resp.Body = &cancelOnClose{ReadCloser: o.resp.Body, cancel: o.cancel}
-		}
-		return o.resp, nil
+		return c.deliver(o), nil
 	}
+}
+
+// deliver readies the response RoundTrip returns. An operation whose
+// outcome it is keeps its key pending until the caller has the response
+// in full: the key is released when the body is read to its end or closed
+// without a read error, not when the header arrives, for a body lost in
+// transit leaves the caller as ignorant of the outcome as a lost response.
+// A response without a body is delivered whole, so its key is released at
+// once.
+func (c *call) deliver(o outcome) *http.Response {
+	resp := o.resp
+	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
+	if release && (resp.Body == nil || resp.Body == http.NoBody || resp.StatusCode < 200) {
+		// A 1xx here is 101 Switching Protocols: the body is the
+		// connection, no longer the outcome.
+		c.release()
+		release = false
+	}
+	if release || c.t.cfg.attemptTimeout > 0 {
+		b := &responseBody{ReadCloser: resp.Body, cancel: o.cancel}
+		if release {
+			b.t, b.ctx, b.operation, b.key = c.t, c.ctx, c.operation, c.key
+		}
+		resp.Body = b
+	}
+	return resp
 }
 
 // refused ends a request whose attempt n was refused before it was sent.
@@ -174,14 +226,17 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 }
 
 // assignKey decides the idempotency key: the caller's, the operation's
-// pending key, or a new one.
+// pending key, the key of the request a redirect answered, or a new one.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
 	c.key = c.req.Header.Get(cfg.keyHeader)
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
-		key, err := cfg.newKey()
-		if err != nil {
-			return err
+		key := c.redirectedKey()
+		var err error
+		if key == "" {
+			if key, err = cfg.newKey(); err != nil {
+				return err
+			}
 		}
 		if op, ok := OperationFrom(c.ctx); ok {
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
@@ -198,6 +253,29 @@ func (c *call) assignKey() error {
 	}
 	c.resend = idempotentMethod(c.req.Method) || c.key != ""
 	return nil
+}
+
+// redirectedKey returns the key sent with the request that a 307 or 308
+// redirected to this one, or "" if this request follows no such redirect.
+// [http.Client] builds the redirected request from the caller's, which has
+// no key the Transport added, and links it to the redirect in its Response
+// field; that response's Request is the attempt that was sent, header and
+// key included.
+func (c *call) redirectedKey() string {
+	prev := c.req.Response
+	if prev == nil || prev.Request == nil ||
+		(prev.StatusCode != http.StatusTemporaryRedirect && prev.StatusCode != http.StatusPermanentRedirect) {
+		return ""
+	}
+	value := prev.Request.Header.Get(c.t.cfg.keyHeader)
+	if c.t.cfg.structuredKey && value != "" {
+		key, err := sfv.Unquote(value)
+		if err != nil {
+			return ""
+		}
+		return key
+	}
+	return value
 }
 
 // admit readies attempt n: the host's rate limiter must have room for it
@@ -465,17 +543,22 @@ func (c *call) log(a Attempt) {
 	c.t.cfg.logger.LogAttrs(c.ctx, level, msg, attrs...)
 }
 
-// release forgets the operation's key once its outcome is final. A failure
-// to forget is logged, not returned: the response is good, and a key left
-// pending is only sent again, which an idempotent server answers by replay.
+// release forgets the operation's key once its outcome is final.
 func (c *call) release() {
-	if !c.pending {
-		return
+	if c.pending {
+		c.t.releaseKey(c.ctx, c.operation, c.key)
 	}
-	err := c.t.cfg.keyStore.Release(context.WithoutCancel(c.ctx), c.operation, c.key)
-	if err != nil && c.t.cfg.logger != nil {
-		c.t.cfg.logger.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: releasing key",
-			slog.String("operation", c.operation), slog.String("error", err.Error()))
+}
+
+// releaseKey forgets operation's key. A failure to forget is logged, not
+// returned: the response is good, and a key left pending is only sent
+// again, which an idempotent server answers by replay. The release runs
+// even if ctx has ended: ctx is the request's, and the request is done.
+func (t *Transport) releaseKey(ctx context.Context, operation, key string) {
+	err := t.cfg.keyStore.Release(context.WithoutCancel(ctx), operation, key)
+	if err != nil && t.cfg.logger != nil {
+		t.cfg.logger.LogAttrs(ctx, slog.LevelWarn, "idemhttp: releasing key",
+			slog.String("operation", operation), slog.String("error", err.Error()))
 	}
 }
 

@@ -1,0 +1,106 @@
+package idemhttp
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// A 307 or 308 is not the end of a keyed request: http.Client sends it
+// again to the new location, and that request carries the same key, whether
+// the key is the Transport's own or an operation's. An operation's key stays
+// pending through the redirect and is released with the final response.
+func TestRedirectedRequestKeepsItsKey(t *testing.T) {
+	tests := []struct {
+		name       string
+		hops       []int // the redirect statuses in front of the final handler
+		operation  bool
+		structured bool
+	}{
+		{"307", []int{307}, false, false},
+		{"308", []int{308}, false, false},
+		{"307 then 308", []int{307, 308}, false, false},
+		{"307 structured key", []int{307}, false, true},
+		{"307 operation", []int{307}, true, false},
+		{"308 operation", []int{308}, true, false},
+		{"307 then 308 operation", []int{307, 308}, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			store := NewMemoryKeyStore()
+			var seen recorder[string] // the key each hop saw
+			var executions atomic.Int32
+			var pendingInHandler atomic.Pointer[map[string]string]
+			final := idemserver.Middleware(idemserver.NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				executions.Add(1)
+				body, _ := io.ReadAll(r.Body)
+				assert.Equal(t, "charge", string(body), "the body followed the redirect")
+				p := pendingKeys(t, store)
+				pendingInHandler.Store(&p)
+				w.WriteHeader(http.StatusCreated)
+				io.WriteString(w, "created")
+			}))
+			next := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				seen.add(r.Header.Get("Idempotency-Key"))
+				final.ServeHTTP(w, r)
+			}))
+			t.Cleanup(next.Close)
+			for i := len(tt.hops) - 1; i >= 0; i-- {
+				code, location := tt.hops[i], next.URL+"/hop"
+				hop := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					seen.add(r.Header.Get("Idempotency-Key"))
+					_, _ = io.Copy(io.Discard, r.Body)
+					http.Redirect(w, r, location, code)
+				}))
+				t.Cleanup(hop.Close)
+				next = hop
+			}
+
+			opts := []Option{WithKeyStore(store)}
+			if tt.structured {
+				opts = append(opts, WithStructuredKey())
+			}
+			client := &http.Client{Transport: NewTransport(newBaseTransport(t), opts...)}
+			ctx := context.Background()
+			if tt.operation {
+				ctx = WithOperation(ctx, "order-7")
+			}
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, next.URL, strings.NewReader("charge"))
+			require.NoError(t, err)
+
+			resp, err := client.Do(req)
+			require.NoError(t, err)
+			assert.Equal(t, http.StatusCreated, resp.StatusCode)
+			keys := seen.all()
+			require.Len(t, keys, len(tt.hops)+1)
+			require.NotEmpty(t, keys[0])
+			for i, k := range keys {
+				assert.Equal(t, keys[0], k, "hop %d", i)
+			}
+			assert.Equal(t, int32(1), executions.Load())
+			if tt.structured {
+				assert.True(t, strings.HasPrefix(keys[0], `"`), "sent as a structured string: %s", keys[0])
+			}
+
+			if tt.operation {
+				assert.Equal(t, map[string]string{"order-7": keys[0]}, *pendingInHandler.Load(),
+					"pending, with the key sent, while the redirected request runs")
+				assert.Equal(t, map[string]string{"order-7": keys[0]}, pendingKeys(t, store),
+					"pending until the final response is read")
+			}
+			_, err = io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Empty(t, pendingKeys(t, store), "released with the final response")
+		})
+	}
+}
