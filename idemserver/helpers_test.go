@@ -103,10 +103,10 @@ func decodeProblem(t *testing.T, w *httptest.ResponseRecorder, typ string, statu
 // plain Store.
 type stubStore struct {
 	MemoryStore *MemoryStore
-	claim    func(context.Context, Claim) (ClaimResult, error)
-	takeOver func(context.Context, Claim, string) (ClaimResult, error)
-	complete func(context.Context, Key, string, *Response, time.Time) error
-	release  func(context.Context, Key, string) error
+	claim       func(context.Context, Claim) (ClaimResult, error)
+	takeOver    func(context.Context, Claim, string) (ClaimResult, error)
+	complete    func(context.Context, Key, string, *Response, time.Time) error
+	release     func(context.Context, Key, string) error
 }
 
 func newStubStore() *stubStore { return &stubStore{MemoryStore: NewMemoryStore()} }

@@ -425,3 +425,85 @@ func TestMemShardHashCollisions(t *testing.T) {
 	sh.insert(h, Claim{Key: Key{Key: "d"}, Now: now})
 	assert.Len(t, sh.slots, len(keys))
 }
+
+// The middleware in front of a full MemoryStore: by default it fails
+// closed and forgets nothing; with eviction allowed it reports each record
+// it dropped.
+func TestMiddlewareWithFullMemoryStore(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		evict bool
+	}{
+		{"fails closed by default", false},
+		{"evicts and reports when allowed", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			opts := []MemoryOption{WithShards(1), WithMaxEntries(2)}
+			if tt.evict {
+				opts = append(opts, WithEvictOldest())
+			}
+			var events []Event
+			h := &countingHandler{}
+			mw := Middleware(NewMemoryStore(opts...), WithClock(clock.Now), WithRetryAfter(3*time.Second),
+				WithObserver(func(e Event) { events = append(events, e) }))(h)
+			for _, key := range []string{"a", "b"} {
+				require.Equal(t, http.StatusCreated, serve(mw, newRequest(http.MethodPost, "/x", key, "b")).Code)
+				clock.Advance(time.Minute)
+			}
+			w := serve(mw, newRequest(http.MethodPost, "/x", "c", "b"))
+			last := events[len(events)-1]
+			if !tt.evict {
+				decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
+				assert.Equal(t, "3", w.Header().Get("Retry-After"))
+				assert.Equal(t, OutcomeUnavailable, last.Outcome)
+				assert.ErrorIs(t, last.Err, ErrStoreFull)
+				assert.Empty(t, last.Evictions)
+				assert.EqualValues(t, 2, h.calls.Load(), "the handler did not run")
+				for _, key := range []string{"a", "b"} {
+					replay := serve(mw, newRequest(http.MethodPost, "/x", key, "b"))
+					assert.Equal(t, "true", replay.Header().Get(ReplayedHeader), "%s was forgotten", key)
+				}
+				return
+			}
+			assert.Equal(t, http.StatusCreated, w.Code)
+			assert.Equal(t, OutcomeExecuted, last.Outcome)
+			assert.Equal(t, []Eviction{{Key: Key{Key: "a"}, Age: 2 * time.Minute}}, last.Evictions)
+			replay := serve(mw, newRequest(http.MethodPost, "/x", "b", "b"))
+			assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+		})
+	}
+}
+
+// A TTL or lease of any size works: one that reaches past the year 2262
+// does not overflow into the past.
+func TestMiddlewareHugeDurations(t *testing.T) {
+	const century = 100 * 365 * 24 * time.Hour
+	for _, d := range []time.Duration{250 * 365 * 24 * time.Hour, math.MaxInt64} {
+		t.Run(d.String(), func(t *testing.T) {
+			clock := newFakeClock()
+			h := &countingHandler{}
+			mw := Middleware(NewMemoryStore(), WithClock(clock.Now), WithTTL(d))(h)
+			serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			clock.Advance(century)
+			assertReplayed(t, true, serve(mw, newRequest(http.MethodPost, "/x", "k", "b")), h)
+
+			started, block := make(chan struct{}), make(chan struct{})
+			slow := Middleware(NewMemoryStore(), WithClock(clock.Now), WithLease(d))(http.HandlerFunc(
+				func(w http.ResponseWriter, r *http.Request) { close(started); <-block }))
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				serve(slow, newRequest(http.MethodPost, "/x", "k", "b"))
+			}()
+			<-started
+			// The first request holds its lease a century later: a
+			// duplicate is told it is in progress, not taken over.
+			clock.Advance(century)
+			w := serve(slow, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, http.StatusConflict, w.Code)
+			close(block)
+			<-done
+		})
+	}
+}
