@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -269,8 +270,7 @@ func TestMemoryStoreEviction(t *testing.T) {
 			assert.Equal(t, []Eviction{{Key: Key{Key: "a"}}, {Key: Key{Key: "b"}}, {Key: Key{Key: "big"}}}, res.Evictions)
 			assert.Equal(t, 1, s.Len())
 		}},
-		{"expired records are freed without their room being needed", nil, func(t *testing.T, s *MemoryStore) {
-			s = NewMemoryStore(WithShards(1))
+		{"expired records are freed without their room being needed", []MemoryOption{WithShards(1)}, func(t *testing.T, s *MemoryStore) {
 			for i := range 10 {
 				complete(t, s, fmt.Sprint(i), now, now.Add(time.Minute), 0)
 			}
@@ -506,4 +506,57 @@ func TestMiddlewareHugeDurations(t *testing.T) {
 			<-done
 		})
 	}
+}
+
+// The expiry heap stays ordered while records of any expiry come and go
+// from anywhere, and gives them back soonest first.
+func TestMemShardExpiryOrder(t *testing.T) {
+	now := newFakeClock().Now()
+	rng := rand.New(rand.NewPCG(1, 2))
+	var sh memShard
+	sh.init()
+	live := map[int32]bool{}
+	check := func() {
+		t.Helper()
+		for j := 1; j < len(sh.expiries); j++ {
+			require.LessOrEqual(t, sh.expiries[(j-1)/2].at, sh.expiries[j].at, "heap order at %d", j)
+		}
+		for j, x := range sh.expiries {
+			require.Equal(t, int32(j), sh.slots[x.slot].heapPos)
+		}
+		require.Len(t, sh.expiries, len(live))
+	}
+	for n := range 2000 {
+		c := Claim{Key: Key{Key: fmt.Sprint(n)}, Token: "t", Now: now}
+		i := sh.insert(uint64(n), c)
+		// Mostly in order, as with one TTL, with other TTLs mixed in.
+		expires := now.Add(time.Duration(n) * time.Second)
+		if rng.IntN(3) == 0 {
+			expires = now.Add(time.Duration(rng.IntN(4000)) * time.Second)
+		}
+		sh.complete(i, sh.slots[i].data, now, expires)
+		live[i] = true
+		if rng.IntN(4) == 0 { // a removal from anywhere
+			for j := range live {
+				sh.remove(j)
+				delete(live, j)
+				break
+			}
+		}
+	}
+	check()
+	last := int64(math.MinInt64)
+	for len(sh.expiries) > 0 {
+		i := sh.soonest()
+		require.GreaterOrEqual(t, sh.slots[i].expires, last)
+		last = sh.slots[i].expires
+		sh.remove(i)
+		delete(live, i)
+		if len(live)%100 == 0 {
+			check()
+		}
+	}
+	assert.Zero(t, sh.len)
+	assert.Zero(t, sh.bytes)
+	assert.Zero(t, sh.done)
 }

@@ -37,8 +37,9 @@ import (
 //     whose lease ([WithLease]) has expired is taken over and the handler
 //     runs again.
 //   - A different fingerprint: 422, whatever the record's state.
-//   - The store fails: 503 with Retry-After, and the handler does not run,
-//     since running it without a claim could run it twice.
+//   - The store fails, or is full ([ErrStoreFull]): 503 with Retry-After,
+//     and the handler does not run, since running it without a claim could
+//     run it twice.
 //
 // A request whose method is not keyed goes straight to the handler, and so
 // does one without a key unless [RequireKey] is set. A malformed key is
