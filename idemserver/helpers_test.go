@@ -97,13 +97,16 @@ func decodeProblem(t *testing.T, w *httptest.ResponseRecorder, typ string, statu
 }
 
 // stubStore is a Store whose methods can be replaced one by one; the
-// others go to a MemoryStore.
+// others go to a MemoryStore. It holds the MemoryStore in a named field
+// rather than embedding it, so that it does not get the MemoryStore's
+// PackedStore methods, which would bypass its own: the middleware sees a
+// plain Store.
 type stubStore struct {
-	*MemoryStore
-	claim    func(context.Context, Claim) (ClaimResult, error)
-	takeOver func(context.Context, Claim, string) (ClaimResult, error)
-	complete func(context.Context, Key, string, *Response, time.Time) error
-	release  func(context.Context, Key, string) error
+	MemoryStore *MemoryStore
+	claim       func(context.Context, Claim) (ClaimResult, error)
+	takeOver    func(context.Context, Claim, string) (ClaimResult, error)
+	complete    func(context.Context, Key, string, *Response, time.Time) error
+	release     func(context.Context, Key, string) error
 }
 
 func newStubStore() *stubStore { return &stubStore{MemoryStore: NewMemoryStore()} }
@@ -128,6 +131,12 @@ func (s *stubStore) Complete(ctx context.Context, k Key, token string, resp *Res
 	}
 	return s.MemoryStore.Complete(ctx, k, token, resp, expires)
 }
+
+func (s *stubStore) Extend(ctx context.Context, k Key, token string, leaseExpires time.Time) error {
+	return s.MemoryStore.Extend(ctx, k, token, leaseExpires)
+}
+
+func (s *stubStore) Len() int { return s.MemoryStore.Len() }
 
 func (s *stubStore) Release(ctx context.Context, k Key, token string) error {
 	if s.release != nil {

@@ -1,9 +1,11 @@
 package idemserver
 
 import (
+	"math"
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 )
 
 // memShard is one independently locked part of a [MemoryStore].
@@ -12,16 +14,28 @@ import (
 // the hashes of their keys. The index holds no pointers and the slots few,
 // so a shard of many records gives the garbage collector little to do: per
 // completed record, one string to mark.
+//
+// The completed records are also ordered by expiry, in a binary min-heap
+// of slot numbers, so that the record that expires first is always at
+// hand, whatever the TTLs of the records around it. Records completed in
+// order of expiry, as with a single TTL, go in at the bottom without moving
+// anything.
 type memShard struct {
-	mu    sync.Mutex
-	index memIndex
-	slots []memSlot
-	free  int32 // first unused slot, the others chained through memSlot.nextFree
-	len   int   // records held
-	limit int
-	// head and tail list the completed records, oldest completion first.
-	head, tail int32
-	_          [32]byte // pads the shard to 128 bytes: no two shards' locks share a cache line
+	mu       sync.Mutex
+	index    memIndex
+	slots    []memSlot
+	expiries []memExpiry // the heap
+	free     int32       // first unused slot, the others chained through memSlot.nextFree
+	len      int         // records held
+	bytes    int64       // their size, as memSlot.size counts it
+	done     int64       // the size of the completed ones
+	_        [8]byte     // pads the shard to 128 bytes: no two shards' locks share a cache line
+}
+
+// memExpiry is an entry of a shard's expiry heap.
+type memExpiry struct {
+	at   int64 // the record's expiry, in Unix nanoseconds
+	slot int32
 }
 
 // none is the slot index that stands for no slot.
@@ -35,12 +49,21 @@ type memSlot struct {
 	token        string    // lease token, while in progress
 	leaseExpires time.Time // while in progress
 	expires      int64     // Unix nanoseconds, once completed
+	since        int64     // Unix nanoseconds: when claimed, then when completed
 	hash         uint64
 	fp           Fingerprint
 	nextFree     int32 // of an unused slot
-	prev, next   int32 // neighbours in the completed list
+	heapPos      int32 // in the expiry heap, once completed
 	completed    bool
 }
+
+// memRecordOverhead is what a record costs besides its strings: its slot,
+// its expiry entry and its index entry, with the index kept at most half
+// full. The documentation of [WithMaxBytes] states it.
+const memRecordOverhead = int64(unsafe.Sizeof(memSlot{})) + int64(unsafe.Sizeof(memExpiry{})) + 2*8
+
+// size returns what the record in e counts toward the store's byte bound.
+func (e *memSlot) size() int64 { return int64(len(e.data)+len(e.token)) + memRecordOverhead }
 
 func (e *memSlot) expiresAt() time.Time { return time.Unix(0, e.expires) }
 
@@ -50,19 +73,25 @@ func (e *memSlot) response() string {
 	return e.data[n:]
 }
 
+// key returns the record's key, sharing the record's memory.
+func (e *memSlot) key() Key {
+	scope, key, _ := unpackKey(e.data)
+	return Key{Scope: scope, Key: key}
+}
+
 // is reports whether the slot holds the record of k.
 func (e *memSlot) is(k Key) bool {
 	scope, key, _ := unpackKey(e.data)
 	return scope == k.Scope && key == k.Key
 }
 
-// init empties the shard and sets its bound.
-func (sh *memShard) init(limit int) {
+// init empties the shard.
+func (sh *memShard) init() {
 	sh.index = memIndex{}
-	sh.slots = nil
-	sh.free, sh.head, sh.tail = none, none, none
+	sh.slots, sh.expiries = nil, nil
+	sh.free = none
 	sh.len = 0
-	sh.limit = limit
+	sh.bytes, sh.done = 0, 0
 }
 
 // find returns the slot of k, whose hash is h, or none.
@@ -83,19 +112,21 @@ func (sh *memShard) find(h uint64, k Key) int32 {
 	return none
 }
 
+// holds reports whether slot i holds key's in-progress record under token.
+// A lease token is unique, so such a slot holds that very claim.
+func (sh *memShard) holds(i int32, key Key, token string) bool {
+	if i < 0 || int(i) >= len(sh.slots) {
+		return false
+	}
+	e := &sh.slots[i]
+	return !e.completed && token != "" && e.token == token && e.is(key)
+}
+
 // leased returns the slot of key's in-progress record, provided it still
-// holds token. hint, unless none, is the slot where the record was
-// inserted; it is used if it still holds the record.
-func (sh *memShard) leased(s *MemoryStore, h uint64, hint int32, key Key, token string) (int32, error) {
+// holds token.
+func (sh *memShard) leased(s *MemoryStore, h uint64, key Key, token string) (int32, error) {
 	if s.closed.Load() {
 		return none, ErrClosed
-	}
-	if hint != none && int(hint) < len(sh.slots) {
-		// A lease token is unique, so a slot in progress with this token
-		// and key holds this claim.
-		if e := &sh.slots[hint]; !e.completed && token != "" && e.token == token && e.is(key) {
-			return hint, nil
-		}
 	}
 	i := sh.find(h, key)
 	if i == none || sh.slots[i].completed || sh.slots[i].token != token {
@@ -117,68 +148,149 @@ func (sh *memShard) insert(h uint64, c Claim) int32 {
 	var b strings.Builder
 	b.Grow(packedKeyLen(c.Key))
 	writePackedKey(&b, c.Key)
-	sh.slots[i] = memSlot{
+	e := &sh.slots[i]
+	*e = memSlot{
 		data: b.String(), token: c.Token, leaseExpires: c.LeaseExpires,
-		hash: h, fp: c.Fingerprint, prev: none, next: none,
+		since: unixNano(c.Now), hash: h, fp: c.Fingerprint, heapPos: none,
 	}
 	sh.index.add(h, i)
 	sh.len++
+	sh.bytes += e.size()
 	return i
 }
 
-// complete turns the in-progress record in slot i into a completed one
-// whose data (key and packed response) is data.
-func (sh *memShard) complete(i int32, data string, expires time.Time) {
+// lease gives the in-progress record in slot i to the claim c.
+func (sh *memShard) lease(i int32, c Claim) {
 	e := &sh.slots[i]
+	sh.bytes -= e.size()
+	e.fp, e.token, e.leaseExpires, e.since = c.Fingerprint, c.Token, c.LeaseExpires, unixNano(c.Now)
+	sh.bytes += e.size()
+}
+
+// complete turns the in-progress record in slot i into a completed one
+// whose data (key and packed response) is data. now, unless zero, is the
+// time of the completion.
+func (sh *memShard) complete(i int32, data string, now, expires time.Time) {
+	e := &sh.slots[i]
+	sh.bytes -= e.size()
 	e.data = data
-	e.expires = expires.UnixNano()
+	e.expires = unixNano(expires)
+	if !now.IsZero() {
+		e.since = unixNano(now)
+	}
 	e.token, e.leaseExpires = "", time.Time{} // a completed record has no lease
 	e.completed = true
-	e.prev, e.next = sh.tail, none
-	if sh.tail != none {
-		sh.slots[sh.tail].next = i
-	} else {
-		sh.head = i
-	}
-	sh.tail = i
+	n := e.size()
+	sh.bytes += n
+	sh.done += n
+	e.heapPos = int32(len(sh.expiries))
+	sh.expiries = append(sh.expiries, memExpiry{at: e.expires, slot: i})
+	sh.up(int(e.heapPos))
 }
 
 // remove deletes the record in slot i and frees the slot.
 func (sh *memShard) remove(i int32) {
 	e := &sh.slots[i]
+	n := e.size()
 	if e.completed {
-		if e.prev != none {
-			sh.slots[e.prev].next = e.next
-		} else {
-			sh.head = e.next
-		}
-		if e.next != none {
-			sh.slots[e.next].prev = e.prev
-		} else {
-			sh.tail = e.prev
-		}
+		sh.unheap(int(e.heapPos))
+		sh.done -= n
 	}
+	sh.bytes -= n
 	sh.index.remove(e.hash, i)
 	*e = memSlot{nextFree: sh.free}
 	sh.free = i
 	sh.len--
 }
 
-// evict makes room for one record: it drops the expired records at the old
-// end of the completed list, or failing that the oldest completed record.
-// It reports false when there is no completed record to drop.
-func (sh *memShard) evict(now time.Time) bool {
-	if sh.head == none {
-		return false
+// soonest returns the slot of the completed record that expires first, or
+// none if there is no completed record.
+func (sh *memShard) soonest() int32 {
+	if len(sh.expiries) == 0 {
+		return none
 	}
-	if now.Before(sh.slots[sh.head].expiresAt()) {
-		sh.remove(sh.head)
-		return true
+	return sh.expiries[0].slot
+}
+
+// reclaim drops up to max records that have expired at now (all of them if
+// max is negative), soonest first.
+func (sh *memShard) reclaim(now int64, max int) {
+	for ; max != 0 && len(sh.expiries) > 0 && sh.expiries[0].at <= now; max-- {
+		sh.remove(sh.expiries[0].slot)
 	}
-	for sh.head != none && !now.Before(sh.slots[sh.head].expiresAt()) {
-		sh.remove(sh.head)
+}
+
+// The expiry heap. Each entry's slot knows its position, so that a record
+// can leave the heap from anywhere when it is removed.
+
+func (sh *memShard) heapSet(j int, x memExpiry) {
+	sh.expiries[j] = x
+	sh.slots[x.slot].heapPos = int32(j)
+}
+
+// up moves the entry at j toward the root to its place.
+func (sh *memShard) up(j int) {
+	x := sh.expiries[j]
+	for j > 0 {
+		parent := (j - 1) / 2
+		if sh.expiries[parent].at <= x.at {
+			break
+		}
+		sh.heapSet(j, sh.expiries[parent])
+		j = parent
 	}
-	return true
+	sh.heapSet(j, x)
+}
+
+// down moves the entry at j away from the root to its place.
+func (sh *memShard) down(j int) {
+	h := sh.expiries
+	x := h[j]
+	for {
+		c := 2*j + 1
+		if c >= len(h) {
+			break
+		}
+		if c+1 < len(h) && h[c+1].at < h[c].at {
+			c++
+		}
+		if x.at <= h[c].at {
+			break
+		}
+		sh.heapSet(j, h[c])
+		j = c
+	}
+	sh.heapSet(j, x)
+}
+
+// unheap takes the entry at j out of the heap.
+func (sh *memShard) unheap(j int) {
+	last := len(sh.expiries) - 1
+	if j != last {
+		moved := sh.expiries[last]
+		sh.expiries = sh.expiries[:last]
+		sh.heapSet(j, moved)
+		if j > 0 && sh.expiries[(j-1)/2].at > moved.at {
+			sh.up(j)
+		} else {
+			sh.down(j)
+		}
+		return
+	}
+	sh.expiries = sh.expiries[:last]
+}
+
+// unixNano returns t in Unix nanoseconds, clamped to what an int64 holds:
+// a time past the year 2262, the end of a TTL of centuries, stays as far in
+// the future as the store can tell rather than wrapping into the past.
+func unixNano(t time.Time) int64 {
+	switch sec := t.Unix(); {
+	case sec >= math.MaxInt64/int64(time.Second):
+		return math.MaxInt64
+	case sec <= math.MinInt64/int64(time.Second):
+		return math.MinInt64
+	}
+	return t.UnixNano()
 }
 
 // packedKeyLen returns the length of k as writePackedKey writes it.

@@ -2,6 +2,7 @@ package idemserver
 
 import (
 	"context"
+	"fmt"
 	"hash/maphash"
 	"strings"
 	"sync"
@@ -9,44 +10,78 @@ import (
 	"time"
 )
 
-// Defaults of a [MemoryStore].
+// Defaults of a [MemoryStore]. They meet at records of 512 bytes (see
+// [WithMaxBytes] for what a record counts): the store then holds 1,000,000
+// of them, the responses of about 11 keyed requests a second, sustained,
+// for the middleware's default TTL of 24 hours. Larger records fill the
+// bytes first: at 2 KiB, 262,144 records, or 3 requests a second.
 const (
 	// DefaultMaxEntries is the number of records a MemoryStore holds
 	// unless [WithMaxEntries] says otherwise.
-	DefaultMaxEntries = 100_000
+	DefaultMaxEntries = 1_000_000
+	// DefaultMaxBytes is the size of the records a MemoryStore holds
+	// unless [WithMaxBytes] says otherwise: 512 MiB.
+	DefaultMaxBytes = 512 << 20
 	// DefaultShards is the number of independently locked parts a
 	// MemoryStore is split into unless [WithShards] says otherwise.
 	DefaultShards = 32
 )
+
+// reclaimPerClaim is how many expired records a claim drops, besides
+// what it needs to make room, so that expired records are freed as
+// traffic flows: more than one, so that the store shrinks when traffic
+// falls.
+const reclaimPerClaim = 2
 
 // MemoryStore is a [Store] that keeps records in the memory of one process.
 // It suits a single server instance and tests; instances behind a load
 // balancer need a shared store, since each MemoryStore knows only its own
 // keys.
 //
-// Records are spread over shards, each with its own lock, so unrelated keys
-// rarely contend. The store is bounded: when a shard is full, a new claim
-// first makes room by dropping expired records, oldest completion first, and
-// failing that the completed record that completed longest ago. A record in
-// progress is never dropped; when a shard holds nothing else, the claim
-// fails with [ErrStoreFull], which the middleware answers with 503.
+// # Bounds
 //
-// Expiry is lazy: an expired record is removed when it is next claimed or
-// when its room is needed, so the store runs no goroutine. A completed
-// record is kept as one string holding its key and packed response, in a
-// slot of an array indexed by a table without pointers, so that a full store
-// costs the garbage collector one object per record to mark and nothing to
-// scan but the arrays; every Claim that finds a completed record returns a
-// fresh copy of its response. The zero value is an empty store with the
-// default limits, ready to use.
+// The store is bounded in records ([WithMaxEntries]) and in bytes
+// ([WithMaxBytes]); see [DefaultMaxEntries] for the rate of keyed requests
+// the defaults hold. Records are spread over shards, each with its own
+// lock and an equal share of both bounds, so unrelated keys rarely
+// contend.
+//
+// A record is never forgotten before it expires without anyone being
+// told. Expired records go first: every claim drops a couple of them, the
+// soonest expired first, so that they are freed as traffic flows, and a
+// claim that finds its shard full drops all of them, whatever the TTLs
+// they were stored with. If the shard is still full of live records (in
+// progress, or completed and not expired), the claim fails with an error
+// wrapping [ErrStoreFull], which the middleware answers with 503 and
+// Retry-After: the store fails closed rather than forget a response that a
+// retry may still need. Only with [WithEvictOldest] does it drop the
+// completed records that expire soonest instead, and it reports each one in
+// [ClaimResult.Evictions]. A record in progress is never dropped.
+//
+// # Costs
+//
+// The store runs no goroutine. A completed record is kept as one string
+// holding its key and packed response, in a slot of an array indexed by a
+// table without pointers, so that a full store costs the garbage collector
+// one object per record to mark and nothing to scan but the arrays. It
+// implements [PackedStore], so the middleware stores a response and writes
+// a replay without converting it; every Claim that finds a completed record
+// returns a fresh copy of its response. Times are kept in Unix nanoseconds,
+// clamped to the years 1678 to 2262, so a TTL that reaches past 2262 means
+// "until 2262". The zero value is an empty store with the default limits,
+// ready to use.
 type MemoryStore struct {
-	once       sync.Once
-	seed       maphash.Seed
-	shards     []memShard
-	mask       uint64
-	maxEntries int
-	nshards    int
-	closed     atomic.Bool
+	once         sync.Once
+	seed         maphash.Seed
+	shards       []memShard
+	mask         uint64
+	maxEntries   int
+	maxBytes     int64
+	nshards      int
+	shardEntries int   // per shard
+	shardBytes   int64 // per shard
+	evictOldest  bool
+	closed       atomic.Bool
 }
 
 // A MemoryOption configures a [MemoryStore].
@@ -57,6 +92,33 @@ type MemoryOption func(*MemoryStore)
 // number of shards, rounded up). Values below 1 mean [DefaultMaxEntries].
 func WithMaxEntries(n int) MemoryOption {
 	return func(s *MemoryStore) { s.maxEntries = n }
+}
+
+// WithMaxBytes bounds the size of the records the store holds to about n
+// bytes (each shard holds n divided by the number of shards, rounded up).
+// A record counts its key and scope, its packed response (the status, the
+// stored header fields' names and values, and the body), its lease token
+// while in progress, and 160 bytes for its slot and index entries. The
+// response counts once it is stored: a claim is refused (or, with
+// [WithEvictOldest], makes room) while its shard holds its share or more,
+// so a shard goes over its share by at most the responses of the records
+// in progress in it, each at most the middleware's [WithMaxResponseBytes].
+// The Go heap the store takes is larger than what it counts, by up to the
+// garbage collector's headroom (GOGC). Values below 1 mean
+// [DefaultMaxBytes].
+func WithMaxBytes(n int64) MemoryOption {
+	return func(s *MemoryStore) { s.maxBytes = n }
+}
+
+// WithEvictOldest lets the store drop completed records before they expire
+// when a claim finds its shard full of live records: the records that
+// expire soonest go first (with a single TTL, those completed longest
+// ago). A retry of a dropped record's key runs the handler again, so each
+// drop is reported in [ClaimResult.Evictions], and by the middleware to
+// its observer in [Event.Evictions]. Without this option a full store
+// refuses new keys with [ErrStoreFull] instead.
+func WithEvictOldest() MemoryOption {
+	return func(s *MemoryStore) { s.evictOldest = true }
 }
 
 // WithShards sets the number of shards, rounded up to a power of two.
@@ -80,6 +142,9 @@ func (s *MemoryStore) init() {
 		if s.maxEntries < 1 {
 			s.maxEntries = DefaultMaxEntries
 		}
+		if s.maxBytes < 1 {
+			s.maxBytes = DefaultMaxBytes
+		}
 		if s.nshards < 1 {
 			s.nshards = DefaultShards
 		}
@@ -90,9 +155,10 @@ func (s *MemoryStore) init() {
 		s.seed = maphash.MakeSeed()
 		s.shards = make([]memShard, n)
 		s.mask = uint64(n - 1)
-		limit := (s.maxEntries + n - 1) / n
+		s.shardEntries = (s.maxEntries + n - 1) / n
+		s.shardBytes = (s.maxBytes + int64(n) - 1) / int64(n)
 		for i := range s.shards {
-			s.shards[i].init(limit)
+			s.shards[i].init()
 		}
 	})
 }
@@ -106,108 +172,147 @@ func (s *MemoryStore) locate(k Key) (*memShard, uint64) {
 
 // Claim implements [Store].
 func (s *MemoryStore) Claim(ctx context.Context, c Claim) (ClaimResult, error) {
-	res, _, _, err := s.claim(ctx, c, false, "", nil, true)
-	return res, err
+	res, err := s.claim(ctx, PackedClaim{Claim: c}, true)
+	return res.ClaimResult, err
 }
 
 // TakeOver implements [Store].
 func (s *MemoryStore) TakeOver(ctx context.Context, c Claim, expiredToken string) (ClaimResult, error) {
-	res, _, _, err := s.claim(ctx, c, true, expiredToken, nil, true)
-	return res, err
+	res, err := s.claim(ctx, PackedClaim{Claim: c, TakeOver: true, ExpiredToken: expiredToken}, true)
+	return res.ClaimResult, err
 }
 
-// A memRef says where a claim put its record, so that completing the
-// claim needs neither the key's hash nor, usually, a lookup.
-type memRef struct {
-	sh    *memShard
-	hash  uint64
-	slot  int32  // a hint: checked, and looked up again if it no longer holds the claim
-	token string // the lease token, when the store made it
+// ClaimPacked implements [PackedStore]. The response it returns shares the
+// record's memory, which no one changes.
+func (s *MemoryStore) ClaimPacked(ctx context.Context, c PackedClaim) (PackedClaimResult, error) {
+	return s.claim(ctx, c, false)
 }
 
-// claimPacked is Claim, or TakeOver if takeOver is set, for the
-// middleware: a completed record's response comes back packed, as the
-// second result, instead of as Record.Response, so that a replay can write
-// it without decoding it first; and a successful claim reports where its
-// record is, for completePacked. The claim's lease token is made by
-// tokens, only if the claim succeeds, and reported in the memRef.
-func (s *MemoryStore) claimPacked(ctx context.Context, c Claim, takeOver bool, expiredToken string, tokens *tokenSource) (ClaimResult, string, memRef, error) {
-	return s.claim(ctx, c, takeOver, expiredToken, tokens, false)
-}
+// A claim's Ref names its shard and slot: the shard's number in the high 32
+// bits, and the slot's number plus one in the low 32 bits.
+func memRef(shard uint64, slot int32) uint64 { return shard<<32 | uint64(uint32(slot+1)) }
 
-// claim is Claim, or TakeOver if takeOver is set. With tokens, c's lease
-// token is made there when the claim succeeds; with decode, a completed
-// record's response is returned in the record rather than packed.
-func (s *MemoryStore) claim(ctx context.Context, c Claim, takeOver bool, expiredToken string, tokens *tokenSource, decode bool) (ClaimResult, string, memRef, error) {
+// claim is ClaimPacked; with decode, a completed record's response is
+// returned in the record rather than packed.
+func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (PackedClaimResult, error) {
 	if err := ctx.Err(); err != nil {
-		return ClaimResult{}, "", memRef{}, err
+		return PackedClaimResult{}, err
 	}
 	sh, h := s.locate(c.Key)
+	now := unixNano(c.Now)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if s.closed.Load() {
-		return ClaimResult{}, "", memRef{}, ErrClosed
+		return PackedClaimResult{}, ErrClosed
 	}
+	sh.reclaim(now, reclaimPerClaim)
 	if i := sh.find(h, c.Key); i != none {
 		e := &sh.slots[i]
 		switch {
-		case e.completed && !c.Now.Before(e.expiresAt()):
+		case e.completed && e.expires <= now:
 			sh.remove(i)
-		case takeOver && !e.completed && e.token == expiredToken:
-			if tokens != nil {
-				c.Token = tokens.next()
+		case c.TakeOver && !e.completed && e.token == c.ExpiredToken:
+			if c.NewToken != nil {
+				c.Token = c.NewToken()
 			}
-			e.fp, e.token, e.leaseExpires = c.Fingerprint, c.Token, c.LeaseExpires
-			return ClaimResult{Claimed: true}, "", memRef{sh, h, i, c.Token}, nil
+			sh.lease(i, c.Claim)
+			return PackedClaimResult{ClaimResult: ClaimResult{Claimed: true}, Token: c.Token, Ref: memRef(h&s.mask, i)}, nil
 		default:
-			rec := Record{Fingerprint: e.fp, Token: e.token, LeaseExpires: e.leaseExpires}
+			res := PackedClaimResult{ClaimResult: ClaimResult{
+				Record: Record{Fingerprint: e.fp, Token: e.token, LeaseExpires: e.leaseExpires},
+			}}
 			if !e.completed {
-				return ClaimResult{Record: rec}, "", memRef{}, nil
+				return res, nil
 			}
-			rec.Expires = e.expiresAt()
-			if !decode {
-				return ClaimResult{Record: rec}, e.response(), memRef{}, nil
+			res.Record.Expires = e.expiresAt()
+			if decode {
+				res.Record.Response = unpack(e.response()).response()
+			} else {
+				res.Response = PackedResponse{s: e.response()}
 			}
-			rec.Response = unpack(e.response()).response()
-			return ClaimResult{Record: rec}, "", memRef{}, nil
+			return res, nil
 		}
 	}
-	if sh.len >= sh.limit && !sh.evict(c.Now) {
-		return ClaimResult{}, "", memRef{}, ErrStoreFull
+	evictions, err := s.makeRoom(sh, int64(packedKeyLen(c.Key)+len(c.Token))+memRecordOverhead, now, !c.IgnoreEvictions)
+	if err != nil {
+		return PackedClaimResult{}, err
 	}
-	if tokens != nil {
-		c.Token = tokens.next()
+	if c.NewToken != nil {
+		c.Token = c.NewToken()
 	}
-	i := sh.insert(h, c)
-	return ClaimResult{Claimed: true}, "", memRef{sh, h, i, c.Token}, nil
+	i := sh.insert(h, c.Claim)
+	return PackedClaimResult{
+		ClaimResult: ClaimResult{Claimed: true, Evictions: evictions},
+		Token:       c.Token,
+		Ref:         memRef(h&s.mask, i),
+	}, nil
+}
+
+// makeRoom makes room in sh, whose lock is held, for a record of size
+// bytes claimed at now: it drops the expired records, then, if the store
+// may, the completed ones that expire soonest, and lists those if list is
+// set. It fails with ErrStoreFull, dropping nothing live, if that would
+// not make room.
+func (s *MemoryStore) makeRoom(sh *memShard, size, now int64, list bool) ([]Eviction, error) {
+	fits := func(n int, bytes int64) bool { return n < s.shardEntries && bytes+size <= s.shardBytes }
+	if fits(sh.len, sh.bytes) {
+		return nil, nil
+	}
+	sh.reclaim(now, -1)
+	if fits(sh.len, sh.bytes) {
+		return nil, nil
+	}
+	if !s.evictOldest || !fits(sh.len-len(sh.expiries), sh.bytes-sh.done) {
+		return nil, fmt.Errorf("%w: a shard holds %d live records of %d bytes, and may hold %d records of %d bytes",
+			ErrStoreFull, sh.len, sh.bytes, s.shardEntries, s.shardBytes)
+	}
+	var evicted []Eviction
+	for !fits(sh.len, sh.bytes) {
+		i := sh.soonest()
+		if list {
+			e := &sh.slots[i]
+			evicted = append(evicted, Eviction{Key: e.key(), Age: time.Duration(max(0, now-e.since))})
+		}
+		sh.remove(i)
+	}
+	return evicted, nil
 }
 
 // Complete implements [Store].
 func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
-	sh, h := s.locate(key)
-	return s.completePacked(memRef{sh: sh, hash: h, slot: none}, key, token, partsOf(resp), expires)
+	return s.CompletePacked(ctx, PackedCompletion{Key: key, Token: token, Response: packedOf(partsOf(resp)), Expires: expires})
 }
 
-// completePacked is Complete for a response the middleware has already
-// taken apart into the pieces of its packed form, and a record that ref
-// locates.
-func (s *MemoryStore) completePacked(ref memRef, key Key, token string, p packedParts, expires time.Time) error {
+// CompletePacked implements [PackedStore]. It copies the response.
+func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) error {
 	// The record's one block is built before the lock is taken: the key
 	// again, then the response.
 	var b strings.Builder
-	b.Grow(packedKeyLen(key) + p.size())
-	writePackedKey(&b, key)
-	p.writeTo(&b)
+	b.Grow(packedKeyLen(c.Key) + c.Response.Len())
+	writePackedKey(&b, c.Key)
+	c.Response.writeTo(&b)
 	data := b.String()
 
-	sh := ref.sh
+	// The claim's Ref, checked, saves hashing the key and looking it up.
+	s.init()
+	if shard := c.Ref >> 32; c.Ref != 0 && shard < uint64(len(s.shards)) {
+		sh, slot := &s.shards[shard], int32(uint32(c.Ref))-1
+		sh.mu.Lock()
+		if !s.closed.Load() && sh.holds(slot, c.Key, c.Token) {
+			sh.complete(slot, data, c.Now, c.Expires)
+			sh.mu.Unlock()
+			return nil
+		}
+		sh.mu.Unlock()
+	}
+	sh, h := s.locate(c.Key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	i, err := sh.leased(s, ref.hash, ref.slot, key, token)
+	i, err := sh.leased(s, h, c.Key, c.Token)
 	if err != nil {
 		return err
 	}
-	sh.complete(i, data, expires)
+	sh.complete(i, data, c.Now, c.Expires)
 	return nil
 }
 
@@ -216,7 +321,7 @@ func (s *MemoryStore) Release(ctx context.Context, key Key, token string) error 
 	sh, h := s.locate(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	i, err := sh.leased(s, h, none, key, token)
+	i, err := sh.leased(s, h, key, token)
 	if err != nil {
 		return err
 	}
@@ -232,7 +337,7 @@ func (s *MemoryStore) Extend(ctx context.Context, key Key, token string, leaseEx
 	sh, h := s.locate(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	i, err := sh.leased(s, h, none, key, token)
+	i, err := sh.leased(s, h, key, token)
 	if err != nil {
 		return err
 	}
@@ -263,7 +368,7 @@ func (s *MemoryStore) Close() error {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		sh.init(sh.limit)
+		sh.init()
 		sh.mu.Unlock()
 	}
 	return nil

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -157,14 +159,18 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 func TestMemoryStoreEviction(t *testing.T) {
 	ctx := t.Context()
 	now := newFakeClock().Now()
-	// One shard of three records makes the order of eviction visible.
-	newStore := func() *MemoryStore { return NewMemoryStore(WithShards(1), WithMaxEntries(3)) }
-	complete := func(t *testing.T, s *MemoryStore, key string, expires time.Time) {
+	// complete claims key at now and completes it at completed with a body
+	// of size bytes, to expire at expires.
+	complete := func(t *testing.T, s *MemoryStore, key string, completed, expires time.Time, size int) {
+		t.Helper()
 		c := testClaim(key, now)
 		res, err := s.Claim(ctx, c)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
-		require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, expires))
+		require.NoError(t, s.CompletePacked(ctx, PackedCompletion{
+			Key: c.Key, Token: c.Token, Now: completed, Expires: expires,
+			Response: PackResponse(&Response{Status: 200, Body: bytes.Repeat([]byte("x"), size)}),
+		}))
 	}
 	present := func(s *MemoryStore, key string) bool {
 		sh, h := s.locate(Key{Key: key})
@@ -172,77 +178,162 @@ func TestMemoryStoreEviction(t *testing.T) {
 		defer sh.mu.Unlock()
 		return sh.find(h, Key{Key: key}) != none
 	}
-
-	t.Run("expired records go first, all of them", func(t *testing.T) {
-		s := newStore()
-		complete(t, s, "a", now.Add(time.Minute))
-		complete(t, s, "b", now.Add(2*time.Minute))
-		complete(t, s, "c", now.Add(time.Hour))
-		res, err := s.Claim(ctx, testClaim("d", now.Add(3*time.Minute)))
+	// claim claims key at, and fails the test unless it is claimed.
+	claim := func(t *testing.T, s *MemoryStore, key string, at time.Time) ClaimResult {
+		t.Helper()
+		res, err := s.Claim(ctx, testClaim(key, at))
 		require.NoError(t, err)
-		assert.True(t, res.Claimed)
-		assert.False(t, present(s, "a"))
-		assert.False(t, present(s, "b"))
-		assert.True(t, present(s, "c"))
-		assert.Equal(t, 2, s.Len())
-	})
-	t.Run("then the oldest completed", func(t *testing.T) {
-		s := newStore()
-		complete(t, s, "a", now.Add(time.Hour))
-		complete(t, s, "b", now.Add(time.Hour))
-		_, err := s.Claim(ctx, testClaim("c", now)) // in progress
-		require.NoError(t, err)
-		for _, key := range []string{"d", "e"} {
-			res, err := s.Claim(ctx, testClaim(key, now))
+		require.True(t, res.Claimed)
+		return res
+	}
+	// One shard of three records makes the order of eviction visible.
+	three := []MemoryOption{WithShards(1), WithMaxEntries(3)}
+	for _, tt := range []struct {
+		name string
+		opts []MemoryOption
+		run  func(t *testing.T, s *MemoryStore)
+	}{
+		{"expired records go first, all of them", three, func(t *testing.T, s *MemoryStore) {
+			complete(t, s, "a", now, now.Add(time.Minute), 0)
+			complete(t, s, "b", now, now.Add(2*time.Minute), 0)
+			complete(t, s, "c", now, now.Add(time.Hour), 0)
+			res := claim(t, s, "d", now.Add(3*time.Minute))
+			assert.Empty(t, res.Evictions)
+			assert.False(t, present(s, "a"))
+			assert.False(t, present(s, "b"))
+			assert.True(t, present(s, "c"))
+			assert.Equal(t, 2, s.Len())
+		}},
+		{"expired records go first, wherever they are", three, func(t *testing.T, s *MemoryStore) {
+			// Two middlewares with different TTLs share the store: the
+			// long-TTL record completed first and is still live when the
+			// short-TTL ones behind it have expired.
+			complete(t, s, "long", now, now.Add(24*time.Hour), 0)
+			complete(t, s, "short1", now, now.Add(time.Minute), 0)
+			complete(t, s, "short2", now, now.Add(time.Minute), 0)
+			claim(t, s, "new", now.Add(time.Hour))
+			assert.True(t, present(s, "long"), "a live record was dropped while expired ones were held")
+			assert.False(t, present(s, "short1"))
+			assert.False(t, present(s, "short2"))
+		}},
+		{"a store full of live records refuses new keys", three, func(t *testing.T, s *MemoryStore) {
+			complete(t, s, "a", now, now.Add(time.Hour), 0)
+			complete(t, s, "b", now, now.Add(time.Hour), 0)
+			_, err := s.Claim(ctx, testClaim("c", now)) // in progress
 			require.NoError(t, err)
-			assert.True(t, res.Claimed)
-		}
-		assert.False(t, present(s, "a"))
-		assert.False(t, present(s, "b"))
-		assert.True(t, present(s, "c"), "in progress is kept")
-		assert.Equal(t, 3, s.Len())
-	})
-	t.Run("in progress is never evicted", func(t *testing.T) {
-		s := newStore()
-		for _, key := range []string{"a", "b", "c"} {
-			_, err := s.Claim(ctx, testClaim(key, now))
+			_, err = s.Claim(ctx, testClaim("d", now.Add(time.Minute)))
+			require.ErrorIs(t, err, ErrStoreFull)
+			for _, key := range []string{"a", "b", "c"} {
+				assert.True(t, present(s, key), key)
+			}
+			// Once a record expires, there is room again.
+			claim(t, s, "d", now.Add(time.Hour))
+			assert.False(t, present(s, "a"))
+		}},
+		{"in progress is never evicted", append(three, WithEvictOldest()), func(t *testing.T, s *MemoryStore) {
+			for _, key := range []string{"a", "b", "c"} {
+				claim(t, s, key, now)
+			}
+			_, err := s.Claim(ctx, testClaim("d", now.Add(time.Hour)))
+			assert.ErrorIs(t, err, ErrStoreFull)
+			assert.Equal(t, 3, s.Len())
+			// Releasing one makes room again.
+			require.NoError(t, s.Release(ctx, Key{Key: "a"}, "token-a"))
+			claim(t, s, "d", now)
+		}},
+		{"opted in, the records that expire soonest are evicted and reported", append(three, WithEvictOldest()), func(t *testing.T, s *MemoryStore) {
+			complete(t, s, "late", now.Add(time.Minute), now.Add(48*time.Hour), 0)
+			complete(t, s, "soon", now.Add(2*time.Minute), now.Add(time.Hour), 0)
+			_, err := s.Claim(ctx, testClaim("busy", now)) // in progress
 			require.NoError(t, err)
-		}
-		_, err := s.Claim(ctx, testClaim("d", now.Add(time.Hour)))
-		assert.ErrorIs(t, err, ErrStoreFull)
-		assert.Equal(t, 3, s.Len())
-		// Releasing one makes room again.
-		require.NoError(t, s.Release(ctx, Key{Key: "a"}, "token-a"))
-		res, err := s.Claim(ctx, testClaim("d", now))
-		require.NoError(t, err)
-		assert.True(t, res.Claimed)
-	})
-	t.Run("a full store answers 503", func(t *testing.T) {
-		s := newStore()
-		for _, key := range []string{"a", "b", "c"} {
-			_, err := s.Claim(ctx, testClaim(key, now))
-			require.NoError(t, err)
-		}
-		h := &countingHandler{}
-		w := serve(Middleware(s)(h), newRequest("POST", "/x", "d", "b"))
-		decodeProblem(t, w, ProblemStoreUnavailable, 503)
-		assert.Zero(t, h.calls.Load())
-	})
+			res := claim(t, s, "new", now.Add(10*time.Minute))
+			assert.Equal(t, []Eviction{{Key: Key{Key: "soon"}, Age: 8 * time.Minute}}, res.Evictions)
+			res = claim(t, s, "newer", now.Add(20*time.Minute))
+			assert.Equal(t, []Eviction{{Key: Key{Key: "late"}, Age: 19 * time.Minute}}, res.Evictions)
+			assert.True(t, present(s, "busy"), "in progress is kept")
+			assert.Equal(t, 3, s.Len())
+		}},
+		{"bounded in bytes", []MemoryOption{WithShards(1), WithMaxBytes(2400)}, func(t *testing.T, s *MemoryStore) {
+			complete(t, s, "a", now, now.Add(time.Hour), 1000)
+			complete(t, s, "b", now, now.Add(time.Hour), 1000)
+			assert.Equal(t, 2, s.Len())
+			_, err := s.Claim(ctx, testClaim("c", now))
+			require.ErrorIs(t, err, ErrStoreFull, "2 × 1000 bytes and overhead leave no room for a key")
+			claim(t, s, "c", now.Add(time.Hour))
+			assert.Equal(t, 1, s.Len())
+		}},
+		{"bounded in bytes, evicting as many as it takes", []MemoryOption{WithShards(1), WithMaxBytes(4000), WithEvictOldest()}, func(t *testing.T, s *MemoryStore) {
+			complete(t, s, "a", now, now.Add(time.Hour), 100)
+			complete(t, s, "b", now, now.Add(2*time.Hour), 100)
+			complete(t, s, "big", now, now.Add(3*time.Hour), 3800) // stored over the bound
+			res := claim(t, s, "c", now)
+			assert.Equal(t, []Eviction{{Key: Key{Key: "a"}}, {Key: Key{Key: "b"}}, {Key: Key{Key: "big"}}}, res.Evictions)
+			assert.Equal(t, 1, s.Len())
+		}},
+		{"expired records are freed without their room being needed", []MemoryOption{WithShards(1)}, func(t *testing.T, s *MemoryStore) {
+			for i := range 10 {
+				complete(t, s, fmt.Sprint(i), now, now.Add(time.Minute), 0)
+			}
+			complete(t, s, "kept", now, now.Add(time.Hour), 0)
+			// Later claims, even replays, each drop a couple.
+			later := now.Add(2 * time.Minute)
+			for range 5 {
+				res, err := s.Claim(ctx, testClaim("kept", later))
+				require.NoError(t, err)
+				require.False(t, res.Claimed)
+			}
+			assert.Equal(t, 1, s.Len())
+		}},
+		{"a TTL past the year 2262 does not expire at once", nil, func(t *testing.T, s *MemoryStore) {
+			for i, ttl := range []time.Duration{250 * 365 * 24 * time.Hour, math.MaxInt64} {
+				key := fmt.Sprint("k", i)
+				complete(t, s, key, now, now.Add(ttl), 0)
+				res, err := s.Claim(ctx, testClaim(key, now.Add(100*365*24*time.Hour)))
+				require.NoError(t, err)
+				assert.False(t, res.Claimed, "TTL %v", ttl)
+				assert.True(t, res.Record.Completed(), "TTL %v", ttl)
+			}
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) { tt.run(t, NewMemoryStore(tt.opts...)) })
+	}
 }
 
+// Many claims of new keys keep a full store at its bound, in records and
+// in bytes, when it may evict.
 func TestMemoryStoreBound(t *testing.T) {
 	ctx := t.Context()
 	now := newFakeClock().Now()
-	s := NewMemoryStore(WithShards(4), WithMaxEntries(100))
-	for i := range 1000 {
-		c := testClaim(fmt.Sprint(i), now)
-		res, err := s.Claim(ctx, c)
-		require.NoError(t, err)
-		require.True(t, res.Claimed)
-		require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, now.Add(time.Hour)))
+	const maxBytes = 100 * (1000 + memRecordOverhead)
+	for _, tt := range []struct {
+		name string
+		opts []MemoryOption
+		body int
+	}{
+		{"records", []MemoryOption{WithMaxEntries(100)}, 0},
+		{"bytes", []MemoryOption{WithMaxBytes(maxBytes)}, 1000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := NewMemoryStore(append(tt.opts, WithShards(4), WithEvictOldest())...)
+			for i := range 1000 {
+				c := testClaim(fmt.Sprint(i), now)
+				res, err := s.Claim(ctx, c)
+				require.NoError(t, err)
+				require.True(t, res.Claimed)
+				resp := &Response{Status: 200, Body: bytes.Repeat([]byte("x"), tt.body)}
+				require.NoError(t, s.Complete(ctx, c.Key, c.Token, resp, now.Add(time.Hour)))
+			}
+			assert.LessOrEqual(t, s.Len(), 100)
+			assert.Greater(t, s.Len(), 50, "evicts only what it must")
+			var size int64
+			for i := range s.shards {
+				size += s.shards[i].bytes
+			}
+			// A shard goes over its share by at most the response
+			// completed last, which was stored while the shard was full.
+			assert.LessOrEqual(t, size, int64(maxBytes+4*(1000+memRecordOverhead+16)))
+		})
 	}
-	assert.LessOrEqual(t, s.Len(), 100)
-	assert.Greater(t, s.Len(), 50, "evicts one record at a time")
 }
 
 func TestMemoryStoreConcurrentClaims(t *testing.T) {
@@ -306,7 +397,7 @@ func TestMemoryStoreKeepsResponsesIntact(t *testing.T) {
 func TestMemShardHashCollisions(t *testing.T) {
 	now := newFakeClock().Now()
 	var sh memShard
-	sh.init(10)
+	sh.init()
 	const h = 42
 	keys := []Key{{Key: "a"}, {Key: "b"}, {Scope: "t", Key: "a"}, {Key: "c"}}
 	for _, k := range keys {
@@ -325,7 +416,7 @@ func TestMemShardHashCollisions(t *testing.T) {
 	}
 	i := sh.find(h, keys[2])
 	require.NotEqual(t, int32(none), i)
-	sh.complete(i, sh.slots[i].data+packResponse(&Response{Status: 201}), now.Add(time.Hour))
+	sh.complete(i, sh.slots[i].data+PackResponse(&Response{Status: 201}).s, now, now.Add(time.Hour))
 	assert.Equal(t, 201, unpack(sh.slots[i].response()).status)
 	sh.remove(i)
 	assert.Zero(t, sh.index.n)
@@ -333,4 +424,139 @@ func TestMemShardHashCollisions(t *testing.T) {
 	// Freed slots are reused.
 	sh.insert(h, Claim{Key: Key{Key: "d"}, Now: now})
 	assert.Len(t, sh.slots, len(keys))
+}
+
+// The middleware in front of a full MemoryStore: by default it fails
+// closed and forgets nothing; with eviction allowed it reports each record
+// it dropped.
+func TestMiddlewareWithFullMemoryStore(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		evict bool
+	}{
+		{"fails closed by default", false},
+		{"evicts and reports when allowed", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			opts := []MemoryOption{WithShards(1), WithMaxEntries(2)}
+			if tt.evict {
+				opts = append(opts, WithEvictOldest())
+			}
+			var events []Event
+			h := &countingHandler{}
+			mw := Middleware(NewMemoryStore(opts...), WithClock(clock.Now), WithRetryAfter(3*time.Second),
+				WithObserver(func(e Event) { events = append(events, e) }))(h)
+			for _, key := range []string{"a", "b"} {
+				require.Equal(t, http.StatusCreated, serve(mw, newRequest(http.MethodPost, "/x", key, "b")).Code)
+				clock.Advance(time.Minute)
+			}
+			w := serve(mw, newRequest(http.MethodPost, "/x", "c", "b"))
+			last := events[len(events)-1]
+			if !tt.evict {
+				decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
+				assert.Equal(t, "3", w.Header().Get("Retry-After"))
+				assert.Equal(t, OutcomeUnavailable, last.Outcome)
+				assert.ErrorIs(t, last.Err, ErrStoreFull)
+				assert.Empty(t, last.Evictions)
+				assert.EqualValues(t, 2, h.calls.Load(), "the handler did not run")
+				for _, key := range []string{"a", "b"} {
+					replay := serve(mw, newRequest(http.MethodPost, "/x", key, "b"))
+					assert.Equal(t, "true", replay.Header().Get(ReplayedHeader), "%s was forgotten", key)
+				}
+				return
+			}
+			assert.Equal(t, http.StatusCreated, w.Code)
+			assert.Equal(t, OutcomeExecuted, last.Outcome)
+			assert.Equal(t, []Eviction{{Key: Key{Key: "a"}, Age: 2 * time.Minute}}, last.Evictions)
+			replay := serve(mw, newRequest(http.MethodPost, "/x", "b", "b"))
+			assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+		})
+	}
+}
+
+// A TTL or lease of any size works: one that reaches past the year 2262
+// does not overflow into the past.
+func TestMiddlewareHugeDurations(t *testing.T) {
+	const century = 100 * 365 * 24 * time.Hour
+	for _, d := range []time.Duration{250 * 365 * 24 * time.Hour, math.MaxInt64} {
+		t.Run(d.String(), func(t *testing.T) {
+			clock := newFakeClock()
+			h := &countingHandler{}
+			mw := Middleware(NewMemoryStore(), WithClock(clock.Now), WithTTL(d))(h)
+			serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			clock.Advance(century)
+			assertReplayed(t, true, serve(mw, newRequest(http.MethodPost, "/x", "k", "b")), h)
+
+			started, block := make(chan struct{}), make(chan struct{})
+			slow := Middleware(NewMemoryStore(), WithClock(clock.Now), WithLease(d))(http.HandlerFunc(
+				func(w http.ResponseWriter, r *http.Request) { close(started); <-block }))
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				serve(slow, newRequest(http.MethodPost, "/x", "k", "b"))
+			}()
+			<-started
+			// The first request holds its lease a century later: a
+			// duplicate is told it is in progress, not taken over.
+			clock.Advance(century)
+			w := serve(slow, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, http.StatusConflict, w.Code)
+			close(block)
+			<-done
+		})
+	}
+}
+
+// The expiry heap stays ordered while records of any expiry come and go
+// from anywhere, and gives them back soonest first.
+func TestMemShardExpiryOrder(t *testing.T) {
+	now := newFakeClock().Now()
+	rng := rand.New(rand.NewPCG(1, 2))
+	var sh memShard
+	sh.init()
+	live := map[int32]bool{}
+	check := func() {
+		t.Helper()
+		for j := 1; j < len(sh.expiries); j++ {
+			require.LessOrEqual(t, sh.expiries[(j-1)/2].at, sh.expiries[j].at, "heap order at %d", j)
+		}
+		for j, x := range sh.expiries {
+			require.Equal(t, int32(j), sh.slots[x.slot].heapPos)
+		}
+		require.Len(t, sh.expiries, len(live))
+	}
+	for n := range 2000 {
+		c := Claim{Key: Key{Key: fmt.Sprint(n)}, Token: "t", Now: now}
+		i := sh.insert(uint64(n), c)
+		// Mostly in order, as with one TTL, with other TTLs mixed in.
+		expires := now.Add(time.Duration(n) * time.Second)
+		if rng.IntN(3) == 0 {
+			expires = now.Add(time.Duration(rng.IntN(4000)) * time.Second)
+		}
+		sh.complete(i, sh.slots[i].data, now, expires)
+		live[i] = true
+		if rng.IntN(4) == 0 { // a removal from anywhere
+			for j := range live {
+				sh.remove(j)
+				delete(live, j)
+				break
+			}
+		}
+	}
+	check()
+	last := int64(math.MinInt64)
+	for len(sh.expiries) > 0 {
+		i := sh.soonest()
+		require.GreaterOrEqual(t, sh.slots[i].expires, last)
+		last = sh.slots[i].expires
+		sh.remove(i)
+		delete(live, i)
+		if len(live)%100 == 0 {
+			check()
+		}
+	}
+	assert.Zero(t, sh.len)
+	assert.Zero(t, sh.bytes)
+	assert.Zero(t, sh.done)
 }

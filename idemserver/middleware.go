@@ -37,8 +37,9 @@ import (
 //     whose lease ([WithLease]) has expired is taken over and the handler
 //     runs again.
 //   - A different fingerprint: 422, whatever the record's state.
-//   - The store fails: 503 with Retry-After, and the handler does not run,
-//     since running it without a claim could run it twice.
+//   - The store fails, or is full ([ErrStoreFull]): 503 with Retry-After,
+//     and the handler does not run, since running it without a claim could
+//     run it twice.
 //
 // The header fields stored are those the handler set: the ones it added,
 // and those set in front of the middleware (a request id, CORS fields)
@@ -73,12 +74,12 @@ func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	}
 	cfg := newConfig(opts)
 	tokens := newTokenSource()
-	// A MemoryStore is asked directly, for responses in packed form: the
+	// A PackedStore takes and returns responses in packed form: the
 	// recorder's fields and body go into the store without first becoming
-	// a Response, and a replay is written from the stored string.
-	mem, _ := store.(*MemoryStore)
+	// a Response, and a replay is written from what the store kept.
+	packed, _ := store.(PackedStore)
 	return func(next http.Handler) http.Handler {
-		return &handler{next: next, store: store, mem: mem, cfg: cfg, tokens: tokens}
+		return &handler{next: next, store: store, packed: packed, cfg: cfg, tokens: tokens, newToken: tokens.next}
 	}
 }
 
@@ -144,8 +145,14 @@ type Event struct {
 	Status int
 	// Err is the store's error, if any: the cause of OutcomeUnavailable,
 	// or a failure to complete or release a claim, such as [ErrLeaseLost].
-	// For a handler that panicked it wraps [ErrHandlerPanicked].
+	// For a handler that panicked it wraps [ErrHandlerPanicked]; for a
+	// store that was full, [ErrStoreFull].
 	Err error
+	// Evictions lists the completed records that the store dropped before
+	// they expired to make room for this request's key (see
+	// [ClaimResult.Evictions]): a retry of any of them runs its handler
+	// again.
+	Evictions []Eviction
 }
 
 // ErrHandlerPanicked is reported to the observer, in [Event.Err], when a
@@ -161,11 +168,12 @@ const (
 )
 
 type handler struct {
-	next   http.Handler
-	store  Store
-	mem    *MemoryStore // store, if it is a MemoryStore
-	cfg    *config
-	tokens *tokenSource
+	next     http.Handler
+	store    Store
+	packed   PackedStore // store, if it is one
+	cfg      *config
+	tokens   *tokenSource
+	newToken func() string // tokens.next, made once
 }
 
 func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -228,33 +236,36 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease)}
 	}
 	c := newClaim()
-	res, stored, ref, err := m.claimIn(ctx, &c, false, "")
+	res, err := m.claimIn(ctx, &c, false, "")
 	var waited time.Duration
 	poll := firstPoll
 	takeOvers := 0
 	for {
 		switch {
 		case err != nil:
-			writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable,
-				"the idempotency store could not be reached; the request was not processed", cfg.retryAfter)
+			detail := "the idempotency store could not be reached; the request was not processed"
+			if errors.Is(err, ErrStoreFull) {
+				detail = "the idempotency store is full; the request was not processed"
+			}
+			writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable, detail, cfg.retryAfter)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			m.run(w, r, key, c.Token, ref, res.Context, bufs)
+			m.run(w, r, key, c.Token, &res, bufs)
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
 				"this idempotency key was used for a request with a different method, path, query or body")
 			return
-		case stored != "":
-			p := unpack(stored)
+		case !res.Response.IsZero():
+			p := res.Response.view()
 			p.replay(w)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReplayed, Status: p.status})
 			return
 		case !c.Now.Before(res.Record.LeaseExpires) && takeOvers < maxTakeOvers:
 			takeOvers++
 			c = newClaim()
-			res, stored, ref, err = m.claimIn(ctx, &c, true, res.Record.Token)
+			res, err = m.claimIn(ctx, &c, true, res.Record.Token)
 			continue
 		case waited < cfg.wait && ctx.Err() == nil:
 			d := min(poll, cfg.wait-waited)
@@ -264,7 +275,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			waited += d
 			poll = min(2*poll, maxPoll)
 			c = newClaim()
-			res, stored, ref, err = m.claimIn(ctx, &c, false, "")
+			res, err = m.claimIn(ctx, &c, false, "")
 			continue
 		}
 		writeProblem(w, ProblemInProgress, http.StatusConflict,
@@ -276,31 +287,35 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 
 // claimIn claims c.Key in the store, or takes over expiredToken's lease
 // if takeOver is set, and sets c.Token to the new lease token. A completed
-// record's response comes back packed, as stored, which is empty for any
-// other answer; ref locates the record of a successful claim in a
-// MemoryStore.
-func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredToken string) (res ClaimResult, stored string, ref memRef, err error) {
-	if m.mem != nil {
-		// The MemoryStore makes the token only when it inserts the record,
-		// so that a replay costs none.
-		res, stored, ref, err = m.mem.claimPacked(ctx, *c, takeOver, expiredToken, m.tokens)
-		c.Token = ref.token
-		return res, stored, ref, err
+// record's response comes back packed, whatever the store.
+func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredToken string) (PackedClaimResult, error) {
+	if m.packed != nil {
+		// The store makes the token only when it inserts the record, so
+		// that a replay costs none.
+		res, err := m.packed.ClaimPacked(ctx, PackedClaim{
+			Claim: *c, TakeOver: takeOver, ExpiredToken: expiredToken,
+			NewToken: m.newToken, IgnoreEvictions: m.cfg.observe == nil,
+		})
+		c.Token = res.Token
+		return res, err
 	}
 	c.Token = m.tokens.next()
+	var res PackedClaimResult
+	var err error
 	if takeOver {
-		res, err = m.store.TakeOver(ctx, *c, expiredToken)
+		res.ClaimResult, err = m.store.TakeOver(ctx, *c, expiredToken)
 	} else {
-		res, err = m.store.Claim(ctx, *c)
+		res.ClaimResult, err = m.store.Claim(ctx, *c)
 	}
 	if err == nil && !res.Claimed && res.Record.Completed() {
-		stored = packResponse(res.Record.Response)
+		res.Response = PackResponse(res.Record.Response)
+		res.Record.Response = nil
 	}
-	return res, stored, memRef{}, err
+	return res, err
 }
 
 // run serves a claimed request and stores or releases its outcome.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, ref memRef, storeCtx context.Context, bufs *buffers) {
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claim *PackedClaimResult, bufs *buffers) {
 	// The handler's body and ResponseWriter, in one allocation.
 	x := &struct {
 		body bodyReader
@@ -316,6 +331,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 		defer x.body.release()
 		r.Body = &x.body
 	}
+	storeCtx := claim.Context
 	if storeCtx != nil {
 		r = r.WithContext(storeCtx)
 	} else {
@@ -327,7 +343,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on
 			err := m.store.Release(storeCtx, key, token)
-			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Err: errors.Join(ErrHandlerPanicked, err)})
+			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Err: errors.Join(ErrHandlerPanicked, err), Evictions: claim.Evictions})
 		}
 	}()
 	m.next.ServeHTTP(rec, r)
@@ -337,13 +353,16 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	if released(rec.status) {
 		err := m.store.Release(storeCtx, key, token)
 		rec.deliver()
-		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err})
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err, Evictions: claim.Evictions})
 		return
 	}
-	expires := m.cfg.now().Add(m.cfg.ttl)
+	now := m.cfg.now()
+	expires := now.Add(m.cfg.ttl) // time.Time saturates; a store converting it must clamp
 	var err error
-	if m.mem != nil {
-		err = m.mem.completePacked(ref, key, token, rec.parts(), expires)
+	if m.packed != nil {
+		err = m.packed.CompletePacked(storeCtx, PackedCompletion{
+			Key: key, Token: token, Ref: claim.Ref, Response: packedOf(rec.parts()), Now: now, Expires: expires,
+		})
 	} else {
 		err = m.store.Complete(storeCtx, key, token, rec.response(), expires)
 	}
@@ -351,11 +370,11 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 		clear(w.Header())
 		writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable,
 			"the outcome could not be kept and was rolled back; the request was not processed", m.cfg.retryAfter)
-		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: claim.Evictions})
 		return
 	}
 	rec.deliver()
-	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err})
+	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err, Evictions: claim.Evictions})
 }
 
 // released reports whether a response with status ends its claim with a

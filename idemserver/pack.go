@@ -2,6 +2,8 @@ package idemserver
 
 import (
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"strconv"
@@ -34,17 +36,168 @@ func (p packedParts) size() int {
 	return uvarintLen(uint64(p.status)) + 1 + uvarintLen(uint64(len(p.fields))) + len(p.fields) + len(p.body)
 }
 
+// flags returns the flags byte of p's packed form.
+func (p packedParts) flags() byte {
+	if p.omitted {
+		return 1
+	}
+	return 0
+}
+
 // writeTo appends the packed form of p to b.
 func (p packedParts) writeTo(b *strings.Builder) {
 	writeUvarint(b, uint64(p.status))
-	flags := byte(0)
-	if p.omitted {
-		flags = 1
-	}
-	b.WriteByte(flags)
+	b.WriteByte(p.flags())
 	writeUvarint(b, uint64(len(p.fields)))
 	b.Write(p.fields)
 	b.Write(p.body)
+}
+
+// A PackedResponse is a [Response] in packed form: one block of bytes
+// holding the status, the header fields and the body, in the form in which
+// the middleware records a response. A replay writes its header fields and
+// body straight from it, without decoding it into a Response first, and a
+// store can keep it as it is: see [PackedStore]. The zero value holds no
+// response.
+//
+// Its bytes are opaque: a store keeps what [PackedResponse.AppendBinary]
+// gives it and hands back what [ParsePackedResponse] makes of the same
+// bytes.
+type PackedResponse struct {
+	// s is the packed form; when it is empty, parts holds the pieces of a
+	// response that is not zero, not yet joined.
+	s     string
+	parts packedParts
+}
+
+// PackResponse returns resp in packed form, with header fields that
+// [Response] allows and a copy of its body. A nil resp gives the zero
+// PackedResponse.
+func PackResponse(resp *Response) PackedResponse {
+	if resp == nil {
+		return PackedResponse{}
+	}
+	p := partsOf(resp)
+	var b strings.Builder
+	b.Grow(p.size())
+	p.writeTo(&b)
+	return PackedResponse{s: b.String()}
+}
+
+// ParsePackedResponse returns the response whose packed form is data, as
+// [PackedResponse.AppendBinary] wrote it. It checks the form, and fails
+// rather than replay damaged bytes. The result shares data's memory.
+func ParsePackedResponse(data string) (PackedResponse, error) {
+	if err := checkPacked(data); err != nil {
+		return PackedResponse{}, fmt.Errorf("idemserver: malformed packed response: %w", err)
+	}
+	return PackedResponse{s: data}, nil
+}
+
+// packedOf returns the PackedResponse of parts p, which it shares.
+func packedOf(p packedParts) PackedResponse { return PackedResponse{parts: p} }
+
+// IsZero reports whether p holds no response.
+func (p PackedResponse) IsZero() bool { return p.s == "" && p.parts.status == 0 }
+
+// Len returns the number of bytes of p's packed form; zero for no response.
+func (p PackedResponse) Len() int {
+	switch {
+	case p.s != "":
+		return len(p.s)
+	case p.IsZero():
+		return 0
+	}
+	return p.parts.size()
+}
+
+// AppendBinary appends p's packed form to b, which a store can keep and
+// give back through [ParsePackedResponse]. It implements
+// [encoding.BinaryAppender] and never fails.
+func (p PackedResponse) AppendBinary(b []byte) ([]byte, error) {
+	switch {
+	case p.s != "":
+		return append(b, p.s...), nil
+	case p.IsZero():
+		return b, nil
+	}
+	b = binary.AppendUvarint(b, uint64(p.parts.status))
+	b = append(b, p.parts.flags())
+	b = binary.AppendUvarint(b, uint64(len(p.parts.fields)))
+	b = append(b, p.parts.fields...)
+	return append(b, p.parts.body...), nil
+}
+
+// Response returns p decoded into a Response of its own, or nil for no
+// response.
+func (p PackedResponse) Response() *Response {
+	if p.IsZero() {
+		return nil
+	}
+	return p.view().response()
+}
+
+// writeTo appends p's packed form to b.
+func (p PackedResponse) writeTo(b *strings.Builder) {
+	if p.s != "" {
+		b.WriteString(p.s)
+		return
+	}
+	if !p.IsZero() {
+		p.parts.writeTo(b)
+	}
+}
+
+// view returns the pieces of p, which must not be zero, for a replay.
+func (p PackedResponse) view() packed {
+	if p.s != "" {
+		return unpack(p.s)
+	}
+	return packed{status: p.parts.status, omitted: p.parts.omitted,
+		fields: string(p.parts.fields), body: string(p.parts.body)}
+}
+
+// checkPacked reports what is wrong with data as a packed response.
+func checkPacked(data string) error {
+	status, n := uvarint(data)
+	if n <= 0 || status < 100 || status > 999 {
+		return errors.New("bad status")
+	}
+	data = data[n:]
+	if len(data) == 0 || data[0] > 1 {
+		return errors.New("bad flags")
+	}
+	fields, _, ok := cutPacked(data[1:])
+	if !ok {
+		return errors.New("bad length of the header fields")
+	}
+	for len(fields) > 0 {
+		name, rest, ok := cutPacked(fields)
+		if !ok || name == "" {
+			return errors.New("bad header field name")
+		}
+		count, n := uvarint(rest)
+		if n <= 0 || count > uint64(len(rest)-n) { // a value takes a byte at least
+			return errors.New("bad value count of header field " + strconv.Quote(name))
+		}
+		fields = rest[n:]
+		for range count {
+			if _, fields, ok = cutPacked(fields); !ok {
+				return errors.New("bad value of header field " + strconv.Quote(name))
+			}
+		}
+	}
+	return nil
+}
+
+// cutPacked reads from s a uvarint length and that many bytes, and returns
+// them and what follows; ok is false when s is too short.
+func cutPacked(s string) (v, rest string, ok bool) {
+	l, n := uvarint(s)
+	if n <= 0 || l > uint64(len(s)-n) {
+		return "", "", false
+	}
+	return s[n : n+int(l)], s[n+int(l):], true
 }
 
 // partsOf returns the parts of resp.
@@ -57,15 +210,6 @@ func partsOf(resp *Response) packedParts {
 	}
 }
 
-// packResponse returns resp packed.
-func packResponse(resp *Response) string {
-	p := partsOf(resp)
-	var b strings.Builder
-	b.Grow(p.size())
-	p.writeTo(&b)
-	return b.String()
-}
-
 // packed is the view of a packed response; its strings share the packed
 // string's memory.
 type packed struct {
@@ -75,7 +219,7 @@ type packed struct {
 	body    string
 }
 
-// unpack splits s, which packResponse or packedParts.writeTo made.
+// unpack splits s, which packedParts.writeTo made or checkPacked checked.
 func unpack(s string) packed {
 	i := 0
 	next := func() int {

@@ -30,8 +30,10 @@ const (
 	// is still being processed. Retry the same request later.
 	ProblemInProgress = problemBase + "ProblemInProgress"
 	// ProblemStoreUnavailable (503, with Retry-After): the middleware could
-	// not reach its store, or could not keep the outcome, and did not run
-	// the handler or kept nothing it did. Retry the same request later.
+	// not reach its store, or the store was full of records it may not
+	// forget yet ([ErrStoreFull]), or it could not keep the outcome; it did
+	// not run the handler or kept nothing it did. Retry the same request
+	// later.
 	ProblemStoreUnavailable = problemBase + "ProblemStoreUnavailable"
 	// ProblemResponseNotStored (replayed with the original status): the
 	// request with this key was processed, but its response was too large

@@ -145,6 +145,22 @@ type ClaimResult struct {
 	// transaction; see [Store]. A store that began a transaction and did
 	// not claim the key ends that transaction itself before returning.
 	Context context.Context
+	// Evictions lists the completed records, not yet expired, that the
+	// store dropped early to make room for this claim; any store may fill
+	// it. A store drops such a record only if its operator allowed it (see
+	// [WithEvictOldest]): a retry of its key would run the handler again.
+	// The middleware reports them to its observer, in [Event.Evictions].
+	Evictions []Eviction
+}
+
+// An Eviction is a completed record that a store dropped before it
+// expired, to make room for another.
+type Eviction struct {
+	// Key is the record's key.
+	Key Key
+	// Age is how long the record had been completed when it was dropped.
+	// A store that does not know when it completed counts from its claim.
+	Age time.Duration
 }
 
 // A Record is the state of one key.
@@ -188,8 +204,88 @@ var (
 	// claim, the handler's writes and the response were all discarded.
 	ErrRolledBack = errors.New("idemserver: transaction rolled back")
 	// ErrStoreFull means a bounded store has no room for a new record,
-	// because every record it holds is in progress.
+	// because every record it holds is live: in progress, or completed and
+	// not expired, and the store does not drop those early. The
+	// middleware answers 503 with Retry-After and does not run the handler.
 	ErrStoreFull = errors.New("idemserver: store full")
 	// ErrClosed means the store was closed.
 	ErrClosed = errors.New("idemserver: store closed")
 )
+
+// A PackedStore is a [Store] that also takes and returns responses in
+// packed form ([PackedResponse]), the form in which the middleware records
+// a response and writes a replay, so that neither side converts to and
+// from a [Response]. The middleware treats every store alike: when its
+// store implements PackedStore it calls ClaimPacked in place of Claim and
+// TakeOver, and CompletePacked in place of Complete, as [io.Copy] calls an
+// [io.WriterTo]'s WriteTo; Release and Extend are the same for every store.
+// A store implements it only to save that work. [MemoryStore] does.
+//
+// A store that wraps another by embedding it also gets the embedded
+// store's PackedStore methods, which would bypass the wrapper's own Claim
+// and Complete; such a wrapper must define them too, or hold the store in
+// a named field instead.
+type PackedStore interface {
+	Store
+
+	// ClaimPacked is [Store.Claim], or [Store.TakeOver] when c.TakeOver is
+	// set, except that a completed record's response is returned packed,
+	// in the result's Response, and Record.Response is nil.
+	ClaimPacked(ctx context.Context, c PackedClaim) (PackedClaimResult, error)
+
+	// CompletePacked is [Store.Complete] with the response packed. The
+	// response may share the caller's memory, which the caller reuses once
+	// CompletePacked returns: a store that keeps it copies its bytes (with
+	// [PackedResponse.AppendBinary]).
+	CompletePacked(ctx context.Context, c PackedCompletion) error
+}
+
+// A PackedClaim asks a [PackedStore] for the lease on a key.
+type PackedClaim struct {
+	Claim
+	// TakeOver makes the claim a [Store.TakeOver] of the lease whose token
+	// is ExpiredToken.
+	TakeOver     bool
+	ExpiredToken string
+	// NewToken, when not nil, makes the lease token in place of
+	// Claim.Token. The store calls it once, and only when the claim
+	// succeeds, so that a claim that finds a record costs no token; it
+	// reports the token in [PackedClaimResult.Token].
+	NewToken func() string
+	// IgnoreEvictions says that no one will look at the result's
+	// Evictions, so that the store need not list them.
+	IgnoreEvictions bool
+}
+
+// PackedClaimResult is what [PackedStore.ClaimPacked] reports.
+type PackedClaimResult struct {
+	// ClaimResult is as [Store.Claim] reports it, except that
+	// Record.Response is nil.
+	ClaimResult
+	// Response is the response of the completed record found, when Claimed
+	// is false; zero otherwise.
+	Response PackedResponse
+	// Token is the lease token of a successful claim: Claim.Token, or the
+	// one NewToken made.
+	Token string
+	// Ref is the store's own reference to the record of a successful
+	// claim, such as where it keeps it, which the middleware hands back in
+	// [PackedCompletion.Ref]; zero means none. The store must not trust it
+	// further than it can check it.
+	Ref uint64
+}
+
+// A PackedCompletion asks a [PackedStore] to complete a claim.
+type PackedCompletion struct {
+	// Key and Token name the claim, as for [Store.Complete].
+	Key   Key
+	Token string
+	// Ref is the claim's [PackedClaimResult.Ref].
+	Ref uint64
+	// Response is the outcome to store.
+	Response PackedResponse
+	// Now is the time of the completion.
+	Now time.Time
+	// Expires is when the record may be forgotten.
+	Expires time.Time
+}

@@ -90,7 +90,10 @@ func serve(args []string) {
 	switch *mode {
 	case "bare":
 	case "idem":
-		store := idemserver.NewMemoryStore()
+		// New keys keep coming for the whole run: a store that evicts the
+		// oldest of 100,000 records stays in one steady state, where the
+		// default one would fill up and refuse new keys.
+		store := idemserver.NewMemoryStore(idemserver.WithMaxEntries(100_000), idemserver.WithEvictOldest())
 		defer store.Close()
 		h = idemserver.Middleware(store)(h)
 	default:
