@@ -289,69 +289,164 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 
 // run serves a claimed request and stores or releases its outcome.
 func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, ref memRef, storeCtx context.Context, bufs *buffers) {
-	// The handler's body and ResponseWriter, in one allocation.
+	cfg := m.cfg
+	// The handler's body and ResponseWriter, and the keeper of its lease,
+	// in one allocation.
 	x := &struct {
-		body bodyReader
-		rec  recorder
+		body  bodyReader
+		rec   recorder
+		lease leaseKeeper
 	}{
 		body: bodyReader{b: bufs.reqBody},
-		rec: recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders,
+		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
 			fields: bufs.fields, body: bufs.respBody},
+		lease: leaseKeeper{m: m, key: key, token: token},
 	}
-	rec := &x.rec
+	rec, lease := &x.rec, &x.lease
 	defer rec.release(bufs)
 	if r.Body != nil && r.Body != http.NoBody {
 		defer x.body.release()
 		r.Body = &x.body
 	}
-	if storeCtx != nil {
-		r = r.WithContext(storeCtx)
-	} else {
-		storeCtx = r.Context()
+	reqCtx := r.Context()
+	if storeCtx == nil {
+		storeCtx = reqCtx
 	}
+	// The handler's context ends when the request's does, or when the
+	// lease keeper gives up; it carries the claimed key.
+	ctx, cancel := context.WithCancelCause(storeCtx)
+	defer cancel(nil)
+	r = r.WithContext(context.WithValue(ctx, claimedKey{}, &lease.key))
 	// The outcome must be recorded even when the client has gone.
 	storeCtx = context.WithoutCancel(storeCtx)
+	lease.ctx, lease.cancel = storeCtx, cancel
+	lease.start(time.Now())
+
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on
-			err := m.store.Release(storeCtx, key, token)
+			leaseEnd, _ := lease.stop()
+			err := m.release(storeCtx, key, token, leaseEnd)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Err: errors.Join(ErrHandlerPanicked, err)})
 		}
 	}()
 	m.next.ServeHTTP(rec, r)
 	returned = true
+	// No extension may run once the claim is being ended.
+	leaseEnd, lost := lease.stop()
+
+	if !rec.wroteHeader && (reqCtx.Err() != nil || ctx.Err() != nil) {
+		// The handler gave up on its ended context without answering, so
+		// it did not act: storing an implicit 200 would tell every retry
+		// that it had.
+		cause := context.Cause(reqCtx)
+		if cause == nil {
+			cause = context.Cause(ctx)
+		}
+		err := m.release(storeCtx, key, token, leaseEnd)
+		typ, detail := ProblemRequestCanceled, "the request was canceled before it was processed; nothing was stored"
+		if errors.Is(cause, ErrLeaseLost) || errors.Is(err, ErrLeaseLost) {
+			typ, detail = ProblemLeaseLost, "the request lost its idempotency key before it was processed"
+		}
+		m.replaceResponse(w, typ, detail)
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: http.StatusServiceUnavailable, Err: errors.Join(cause, err)})
+		return
+	}
 	rec.finish()
 
 	if released(rec.status) {
-		err := m.store.Release(storeCtx, key, token)
+		err := m.release(storeCtx, key, token, leaseEnd)
 		rec.deliver()
-		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err})
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status,
+			Err: errors.Join(context.Cause(reqCtx), lost, err)})
 		return
 	}
-	expires := m.cfg.now().Add(m.cfg.ttl)
+	expires := cfg.now().Add(cfg.ttl)
+	var resp *Response
+	if m.mem == nil {
+		resp = rec.response()
+	}
 	var err error
-	if m.mem != nil {
-		err = m.mem.completePacked(ref, key, token, rec.parts(), expires)
-	} else {
-		err = m.store.Complete(storeCtx, key, token, rec.response(), expires)
+	for try := 1; ; try++ {
+		if m.mem != nil {
+			err = m.mem.completePacked(ref, key, token, rec.parts(), expires)
+		} else {
+			err = m.store.Complete(storeCtx, key, token, resp, expires)
+		}
+		if !retryEnd(err, try, leaseEnd) {
+			break
+		}
 	}
-	if errors.Is(err, ErrRolledBack) && !rec.streaming {
-		clear(w.Header())
-		writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable,
-			"the outcome could not be kept and was rolled back; the request was not processed", m.cfg.retryAfter)
+	switch {
+	case !rec.streaming && errors.Is(err, ErrRolledBack):
+		m.replaceResponse(w, ProblemStoreUnavailable,
+			"the outcome could not be kept and was rolled back; the request was not processed")
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
-		return
+	case !rec.streaming && errors.Is(err, ErrLeaseLost):
+		// Another request took the key over: a retry gets its outcome, so
+		// this client must not be told a different one.
+		m.replaceResponse(w, ProblemLeaseLost,
+			"the request lost its idempotency key to another request before its outcome was stored")
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: errors.Join(lost, err)})
+	default:
+		// A response that could not be stored still reaches the client;
+		// its record stays in progress until the lease lapses, and then a
+		// retry runs the handler again.
+		rec.deliver()
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: errors.Join(lost, err)})
 	}
-	rec.deliver()
-	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err})
 }
 
+// replaceResponse answers 503 with Retry-After and a problem of type typ in
+// place of a response the handler wrote, and has not reached the client.
+func (m *handler) replaceResponse(w http.ResponseWriter, typ, detail string) {
+	clear(w.Header())
+	writeProblem(w, typ, http.StatusServiceUnavailable, detail, m.cfg.retryAfter)
+}
+
+// Ending a claim is tried again after a transient failure, after each of
+// these waits in turn.
+var endRetryDelays = [...]time.Duration{10 * time.Millisecond, 100 * time.Millisecond}
+
+// release releases key's claim, trying again after a transient failure
+// while the lease lasts (leaseEnd, by the runtime's clock).
+func (m *handler) release(ctx context.Context, key Key, token string, leaseEnd time.Time) error {
+	for try := 1; ; try++ {
+		err := m.store.Release(ctx, key, token)
+		if !retryEnd(err, try, leaseEnd) {
+			return err
+		}
+	}
+}
+
+// retryEnd reports whether to try again the Complete or Release that failed
+// with err on its try'th attempt, and if so waits first. Only a transient
+// failure is tried again, at most len(endRetryDelays) times, and not when
+// the wait would pass leaseEnd, after which the key may be taken over.
+func retryEnd(err error, try int, leaseEnd time.Time) bool {
+	if err == nil || try > len(endRetryDelays) ||
+		errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrRolledBack) || errors.Is(err, ErrClosed) {
+		return false
+	}
+	d := endRetryDelays[try-1]
+	if !time.Now().Add(d).Before(leaseEnd) {
+		return false
+	}
+	time.Sleep(d)
+	return true
+}
+
+// statusClientClosedRequest is the status that nginx and others log, and
+// some handlers write, for a request whose client went away.
+const statusClientClosedRequest = 499
+
 // released reports whether a response with status ends its claim with a
-// release rather than being stored: a server error, or a refusal that
-// invites the client to send the same request again.
+// release rather than being stored: a server error, a refusal that invites
+// the client to send the same request again, or a note that the client went
+// away before it got an answer.
 func released(status int) bool {
 	switch status {
-	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests, statusClientClosedRequest:
 		return true
 	}
 	return status >= http.StatusInternalServerError
