@@ -21,21 +21,22 @@ import (
 // to [WithMaxBodyBytes]; 413 beyond it), restores it for the handler, and
 // claims the key in the store with the request's fingerprint:
 //
-//   - Claimed: the handler runs. Its response is held back (see
-//     [WithMaxResponseBytes] and Flush below), and a status below 500 is
-//     stored for [WithTTL] before the client gets it. A status of 500 or
-//     more, or a panic, releases the claim instead, so a retry runs the
-//     handler again; the panic continues after the release. So do 408,
-//     425 and 429, the statuses below 500 that say the request was not
-//     processed and should be sent again: storing them would answer every
-//     retry with the same refusal.
+//   - Claimed: the handler runs, with the claimed key in its context (see
+//     [KeyFrom]). Its response is held back (see [WithMaxResponseBytes]
+//     and Flush below), and a status below 500 is stored for [WithTTL]
+//     before the client gets it. A status of 500 or more, or a panic,
+//     releases the claim instead, so a retry runs the handler again; the
+//     panic continues after the release. So do 408, 425 and 429, the
+//     statuses below 500 that say the request was not processed and should
+//     be sent again, and 499, which says that the client went away:
+//     storing them would answer every retry with the same refusal.
 //   - Completed with the same fingerprint: the stored status, header fields
 //     and body are replayed with Idempotent-Replayed: true, and the handler
 //     does not run.
 //   - In progress with the same fingerprint: 409 with Retry-After, or with
 //     [WithWaitInFlight] a wait for the outcome and its replay. A claim
-//     whose lease ([WithLease]) has expired is taken over and the handler
-//     runs again.
+//     whose lease ([WithLease]) has ended, because nothing renewed it, is
+//     taken over and the handler runs again.
 //   - A different fingerprint: 422, whatever the record's state.
 //   - The store fails: 503 with Retry-After, and the handler does not run,
 //     since running it without a claim could run it twice.
@@ -46,15 +47,41 @@ import (
 // problem+json document; see [ProblemInProgress] and the other Problem
 // constants.
 //
+// While the handler runs, its lease is renewed ([Store.Extend]) every third
+// of a lease, so that a live handler is never taken over. If the lease is
+// lost anyway, because the store says so or because no extension succeeded
+// before it ended, the handler's context is cancelled with a cause wrapping
+// [ErrLeaseLost]. A handler that runs longer than [WithMaxHold] has its
+// context cancelled with a cause wrapping [ErrMaxHoldExceeded], and its
+// lease is no longer renewed, so its key can be taken over one lease later.
+//
+// A handler whose context has ended (its client went away, a deadline set
+// in front of the middleware passed, or the middleware cancelled it as
+// above) and that returns without writing a status has not acted: its
+// claim is released rather than an implicit 200 stored, the client is
+// answered 503 with Retry-After ([ProblemRequestCanceled], or
+// [ProblemLeaseLost] when the lease was lost), and the observer gets the
+// context's cause in [Event.Err]. A handler that did write its response
+// after its context ended has it stored as usual.
+//
 // A handler that flushes ([http.Flusher] or [http.ResponseController])
 // lets its response through at once, to stream it; it is still stored when
 // the handler returns, but the client may see it before that. Hijacking the
 // connection of a keyed request is refused with an error wrapping
-// [http.ErrNotSupported]. When the store fails to keep a response the
-// handler produced, the client still gets the response and the observer
-// (see [WithObserver]) gets the error; the record stays in progress until
-// its lease expires. Only when a transactional store reports [ErrRolledBack]
-// is the response replaced by 503, since nothing the handler did was kept.
+// [http.ErrNotSupported].
+//
+// A Complete or Release that fails with a transient error (any but
+// [ErrLeaseLost], [ErrRolledBack] and [ErrClosed]) is tried twice more,
+// after 10ms and 100ms, with a context that is not cancelled, unless the
+// wait would pass the end of the lease. When the store still fails to keep
+// a response the handler produced, the client gets the response and the
+// observer (see [WithObserver]) gets the error; the record stays in
+// progress until its lease lapses, and then a retry runs the handler again.
+// The response is replaced by 503 with Retry-After only when nothing the
+// handler did was kept (a transactional store reports [ErrRolledBack]), or
+// when the claim was lost and another request's outcome is what retries get
+// (Complete reports [ErrLeaseLost]; [ProblemLeaseLost]); a response that
+// was already streamed cannot be replaced.
 func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	if store == nil {
 		store = NewMemoryStore()
@@ -80,13 +107,14 @@ const (
 	// OutcomeRejected: the key or body was refused (400 or 413).
 	OutcomeRejected
 	// OutcomeUnavailable: the store failed and the handler did not run, or
-	// its outcome was rolled back (503).
+	// its outcome was rolled back, or could not be stored because its claim
+	// was lost (503).
 	OutcomeUnavailable
 	// OutcomeExecuted: the handler ran and its response was stored.
 	OutcomeExecuted
-	// OutcomeReleased: the handler ran, answered 5xx (or 408, 425 or
-	// 429) or panicked, and the
-	// claim was released.
+	// OutcomeReleased: the handler ran, answered 5xx (or 408, 425, 429 or
+	// 499), panicked, or returned without answering after its context
+	// ended, and the claim was released.
 	OutcomeReleased
 	// OutcomeReplayed: a stored response was replayed.
 	OutcomeReplayed
@@ -132,7 +160,10 @@ type Event struct {
 	Status int
 	// Err is the store's error, if any: the cause of OutcomeUnavailable,
 	// or a failure to complete or release a claim, such as [ErrLeaseLost].
-	// For a handler that panicked it wraps [ErrHandlerPanicked].
+	// For a handler that panicked it wraps [ErrHandlerPanicked]. When the
+	// handler's context ended, it wraps the context's cause: the client's,
+	// or one wrapping [ErrLeaseLost] or [ErrMaxHoldExceeded] when the
+	// middleware cancelled it.
 	Err error
 }
 
