@@ -19,8 +19,9 @@ var ErrMaxHoldExceeded = errors.New("idemserver: handler held its key past the m
 //
 // It wakes a third of a lease after each extension and extends the lease to
 // one lease past the middleware's clock. An extension that fails for a
-// reason other than a lost lease is tried again a little later, for as long
-// as the current lease has not ended. The keeper gives up, and cancels the
+// reason other than a lost lease or a closed store is tried again a
+// twentieth of a lease later (at most a second), for as long as the current
+// lease has not ended. The keeper gives up, and cancels the
 // handler's context with the reason, when the store reports [ErrLeaseLost],
 // when the lease would end before another try, or when the handler has held
 // the key for the maximum hold; from then on the handler may be taken over
@@ -59,7 +60,7 @@ func (k *leaseKeeper) start(claimed time.Time) {
 	defer k.mu.Unlock()
 	k.leaseEnd = claimed.Add(cfg.lease)
 	k.holdEnd = claimed.Add(cfg.maxHold)
-	k.timer = time.AfterFunc(min(cfg.lease/3, cfg.maxHold), k.renew)
+	k.timer = time.AfterFunc(min(renewEvery(cfg.lease), cfg.maxHold), k.renew)
 }
 
 // renew runs on the timer's goroutine: it extends the lease, tries again
@@ -97,9 +98,11 @@ func (k *leaseKeeper) renew() {
 	switch {
 	case err == nil:
 		k.leaseEnd = now.Add(cfg.lease)
-		k.timer.Reset(min(cfg.lease/3, k.holdEnd.Sub(time.Now())))
+		k.timer.Reset(min(renewEvery(cfg.lease), time.Until(k.holdEnd)))
 	case errors.Is(err, ErrLeaseLost):
 		k.giveUpLocked(fmt.Errorf("idemserver: extending the lease: %w", err))
+	case errors.Is(err, ErrClosed):
+		k.giveUpLocked(fmt.Errorf("%w: the store is closed: %w", ErrLeaseLost, err))
 	default:
 		retry := renewRetryDelay(cfg.lease)
 		if !time.Now().Add(retry).Before(leaseEnd) {
@@ -110,10 +113,17 @@ func (k *leaseKeeper) renew() {
 	}
 }
 
+// renewEvery is the time from one extension of a lease to the next. It is
+// at least a millisecond, so that a lease too short to be renewed in time
+// does not keep the store busy.
+func renewEvery(lease time.Duration) time.Duration {
+	return max(lease/3, time.Millisecond)
+}
+
 // renewRetryDelay is the wait before trying again an extension of a lease
-// that failed for a reason other than a lost lease.
+// that failed for a reason other than a lost lease or a closed store.
 func renewRetryDelay(lease time.Duration) time.Duration {
-	return min(lease/20, time.Second)
+	return max(min(lease/20, time.Second), time.Millisecond)
 }
 
 func (k *leaseKeeper) giveUp(cause error) {
