@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -97,7 +96,7 @@ func TestEndToEndDownstreamKey(t *testing.T) {
 			// and one clock.
 			var runs atomic.Int64
 			var dead atomic.Bool
-			clock := &stepClock{t: time.Now()}
+			clock := idemserver.NewFakeClock()
 			die := func() {
 				dead.Store(true)
 				clock.Advance(idemserver.DefaultLease) // the restart takes a while
@@ -166,22 +165,4 @@ func TestEndToEndDownstreamKey(t *testing.T) {
 			assert.EqualValues(t, 1, providerReplays.Load(), "the provider replayed the charge")
 		})
 	}
-}
-
-// stepClock is a clock that a test moves forward.
-type stepClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *stepClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *stepClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
 }
