@@ -15,9 +15,16 @@ func TestKeyFrom(t *testing.T) {
 		ok  bool
 	}
 	var got []seen
+	type otherKey struct{}
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		k, ok := KeyFrom(r.Context())
 		got = append(got, seen{k, ok})
+		// Contexts derived from the handler's carry the key too.
+		derived, cancel := context.WithCancel(context.WithValue(r.Context(), otherKey{}, 1))
+		defer cancel()
+		dk, dok := KeyFrom(derived)
+		assert.Equal(t, seen{k, ok}, seen{dk, dok})
+		assert.Equal(t, 1, derived.Value(otherKey{}))
 	})
 	mw := Middleware(nil, WithScope(func(r *http.Request) string { return r.Header.Get("X-Tenant") }))(h)
 

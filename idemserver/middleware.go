@@ -259,7 +259,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			m.run(w, r, key, c.Token, ref, res.Context, bufs)
+			m.run(w, r, key, c.Token, c.Now, ref, res.Context, bufs)
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
@@ -319,14 +319,15 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 }
 
 // run serves a claimed request and stores or releases its outcome.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, ref memRef, storeCtx context.Context, bufs *buffers) {
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claimed time.Time, ref memRef, storeCtx context.Context, bufs *buffers) {
 	cfg := m.cfg
-	// The handler's body and ResponseWriter, and the keeper of its lease,
-	// in one allocation.
+	// The handler's body, ResponseWriter and context, and the keeper of its
+	// lease, in one allocation.
 	x := &struct {
 		body  bodyReader
 		rec   recorder
 		lease leaseKeeper
+		ctx   handlerContext
 	}{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
@@ -347,11 +348,15 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	// lease keeper gives up; it carries the claimed key.
 	ctx, cancel := context.WithCancelCause(storeCtx)
 	defer cancel(nil)
-	r = r.WithContext(context.WithValue(ctx, claimedKey{}, &lease.key))
+	x.ctx = handlerContext{Context: ctx, key: &lease.key}
+	r = r.WithContext(&x.ctx)
 	// The outcome must be recorded even when the client has gone.
 	storeCtx = context.WithoutCancel(storeCtx)
 	lease.ctx, lease.cancel = storeCtx, cancel
-	lease.start(time.Now())
+	if cfg.ownClock { // the keeper runs on the runtime's clock
+		claimed = time.Now()
+	}
+	lease.start(claimed)
 
 	returned := false
 	defer func() {

@@ -49,6 +49,7 @@ type config struct {
 	retryAfter    string
 	replayHeaders map[string]bool
 	now           func() time.Time
+	ownClock      bool // now is not time.Now
 	observe       func(Event)
 }
 
@@ -240,10 +241,10 @@ func WithRetryAfter(d time.Duration) Option {
 // testing/synctest bubble.
 func WithClock(now func() time.Time) Option {
 	return func(c *config) {
+		c.now, c.ownClock = now, now != nil
 		if now == nil {
-			now = time.Now
+			c.now = time.Now
 		}
-		c.now = now
 	}
 }
 
