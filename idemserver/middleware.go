@@ -62,7 +62,10 @@ import (
 // answered 503 with Retry-After ([ProblemRequestCanceled], or
 // [ProblemLeaseLost] when the lease was lost), and the observer gets the
 // context's cause in [Event.Err]. A handler that did write its response
-// after its context ended has it stored as usual.
+// after its context ended has it stored as usual. So a handler that acts
+// must write its status (WriteHeader or Write) rather than rely on the
+// implicit 200 of an empty response: one that returns without writing just
+// as its client goes away is taken not to have acted, and runs again.
 //
 // A handler that flushes ([http.Flusher] or [http.ResponseController])
 // lets its response through at once, to stream it; it is still stored when
