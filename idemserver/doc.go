@@ -18,11 +18,46 @@
 // Only outcomes that are final are kept. A status of 500 or more, or a
 // panic, releases the claim, so the retry that the client will make runs the
 // handler again; so do 408, 425 and 429, which ask the client to send the
-// request again. A handler that dies without either (the process crashed)
-// leaves its claim in progress until the lease expires; then the next
-// request with the key takes it over. When the store itself cannot be
-// reached the middleware fails closed: 503 with Retry-After, and the handler
-// does not run, because running it without a claim could run it twice.
+// request again, and 499. So does a request whose context ended (the client
+// went away) before the handler wrote any response: a handler that gave up
+// on its cancelled context did not act, and storing an empty 200 would turn
+// a lost charge into a success. When the store itself cannot be reached the
+// middleware fails closed: 503 with Retry-After, and the handler does not
+// run, because running it without a claim could run it twice. A Complete or
+// Release that fails transiently is tried again a few times; if the store
+// still cannot keep the outcome, the client gets the response anyway and
+// the record stays in progress until its lease lapses.
+//
+// # Leases
+//
+// A claim holds its key under a lease ([WithLease], a minute by default),
+// which the middleware renews while the handler runs, so a live handler is
+// never taken over however long it runs. A handler that stops without
+// ending its claim, because its process died, leaves the record in progress;
+// once its lease has lapsed the next request with the key takes it over and
+// runs the handler again. If a running handler's lease is lost all the same
+// (the store cannot be reached for a whole lease, or reports the lease
+// lost), its context is cancelled with a cause wrapping [ErrLeaseLost], and
+// its response, if another request took the key over, is replaced by 503
+// so that its client retries and gets the outcome that was stored.
+//
+// No handler holds its key forever: after [WithMaxHold] (ten minutes by
+// default) its context is cancelled with a cause wrapping
+// [ErrMaxHoldExceeded] and its lease is no longer renewed, so the key can be
+// taken over at most one lease later, whether or not the handler returned.
+// A handler that may legitimately run longer needs a larger bound; one that
+// ignores its context past the bound may run at the same time as the
+// request that took its key over.
+//
+// # Calling other services
+//
+// A handler that asks another service to act, such as a payment provider,
+// should name that request with a key derived from its own: [KeyFrom]
+// returns the claimed key and [Key.Derive] derives a key from it for each
+// downstream request. A retry that runs the handler again after a crash
+// between the provider's charge and the stored response then sends the
+// provider the same key, and the provider replays its charge instead of
+// making a second one.
 //
 // Keys live in a scope: with [WithScope], the same key from two tenants is
 // two keys, and one tenant can neither replay nor block another's request.

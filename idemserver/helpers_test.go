@@ -107,6 +107,7 @@ type stubStore struct {
 	takeOver    func(context.Context, Claim, string) (ClaimResult, error)
 	complete    func(context.Context, Key, string, *Response, time.Time) error
 	release     func(context.Context, Key, string) error
+	extend      func(context.Context, Key, string, time.Time) error
 }
 
 func newStubStore() *stubStore { return &stubStore{MemoryStore: NewMemoryStore()} }
@@ -132,10 +133,6 @@ func (s *stubStore) Complete(ctx context.Context, k Key, token string, resp *Res
 	return s.MemoryStore.Complete(ctx, k, token, resp, expires)
 }
 
-func (s *stubStore) Extend(ctx context.Context, k Key, token string, leaseExpires time.Time) error {
-	return s.MemoryStore.Extend(ctx, k, token, leaseExpires)
-}
-
 func (s *stubStore) Len() int { return s.MemoryStore.Len() }
 
 func (s *stubStore) Release(ctx context.Context, k Key, token string) error {
@@ -143,6 +140,13 @@ func (s *stubStore) Release(ctx context.Context, k Key, token string) error {
 		return s.release(ctx, k, token)
 	}
 	return s.MemoryStore.Release(ctx, k, token)
+}
+
+func (s *stubStore) Extend(ctx context.Context, k Key, token string, leaseExpires time.Time) error {
+	if s.extend != nil {
+		return s.extend(ctx, k, token, leaseExpires)
+	}
+	return s.MemoryStore.Extend(ctx, k, token, leaseExpires)
 }
 
 // assertReplayed checks that the second of two requests with one key, w,

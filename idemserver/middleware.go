@@ -21,21 +21,22 @@ import (
 // to [WithMaxBodyBytes]; 413 beyond it), restores it for the handler, and
 // claims the key in the store with the request's fingerprint:
 //
-//   - Claimed: the handler runs. Its response is held back (see
-//     [WithMaxResponseBytes] and Flush below), and a status below 500 is
-//     stored for [WithTTL] before the client gets it. A status of 500 or
-//     more, or a panic, releases the claim instead, so a retry runs the
-//     handler again; the panic continues after the release. So do 408,
-//     425 and 429, the statuses below 500 that say the request was not
-//     processed and should be sent again: storing them would answer every
-//     retry with the same refusal.
+//   - Claimed: the handler runs, with the claimed key in its context (see
+//     [KeyFrom]). Its response is held back (see [WithMaxResponseBytes]
+//     and Flush below), and a status below 500 is stored for [WithTTL]
+//     before the client gets it. A status of 500 or more, or a panic,
+//     releases the claim instead, so a retry runs the handler again; the
+//     panic continues after the release. So do 408, 425 and 429, the
+//     statuses below 500 that say the request was not processed and should
+//     be sent again, and 499, which says that the client went away:
+//     storing them would answer every retry with the same refusal.
 //   - Completed with the same fingerprint: the stored status, header fields
 //     and body are replayed with Idempotent-Replayed: true, and the handler
 //     does not run.
 //   - In progress with the same fingerprint: 409 with Retry-After, or with
 //     [WithWaitInFlight] a wait for the outcome and its replay. A claim
-//     whose lease ([WithLease]) has expired is taken over and the handler
-//     runs again.
+//     whose lease ([WithLease]) has ended, because nothing renewed it, is
+//     taken over and the handler runs again.
 //   - A different fingerprint: 422, whatever the record's state.
 //   - The store fails, or is full ([ErrStoreFull]): 503 with Retry-After,
 //     and the handler does not run, since running it without a claim could
@@ -59,15 +60,44 @@ import (
 // problem+json document; see [ProblemInProgress] and the other Problem
 // constants.
 //
+// While the handler runs, its lease is renewed ([Store.Extend]) every third
+// of a lease, so that a live handler is never taken over. If the lease is
+// lost anyway, because the store says so or because no extension succeeded
+// before it ended, the handler's context is cancelled with a cause wrapping
+// [ErrLeaseLost]. A handler that runs longer than [WithMaxHold] has its
+// context cancelled with a cause wrapping [ErrMaxHoldExceeded], and its
+// lease is no longer renewed, so its key can be taken over one lease later.
+//
+// A handler whose context has ended (its client went away, a deadline set
+// in front of the middleware passed, or the middleware cancelled it as
+// above) and that returns without writing a status has not acted: its
+// claim is released rather than an implicit 200 stored, the client is
+// answered 503 with Retry-After ([ProblemRequestCanceled], or
+// [ProblemLeaseLost] when the lease was lost), and the observer gets the
+// context's cause in [Event.Err]. A handler that did write its response
+// after its context ended has it stored as usual. So a handler that acts
+// must write its status (WriteHeader or Write) rather than rely on the
+// implicit 200 of an empty response: one that returns without writing just
+// as its client goes away is taken not to have acted, and runs again.
+//
 // A handler that flushes ([http.Flusher] or [http.ResponseController])
 // lets its response through at once, to stream it; it is still stored when
 // the handler returns, but the client may see it before that. Hijacking the
 // connection of a keyed request is refused with an error wrapping
-// [http.ErrNotSupported]. When the store fails to keep a response the
-// handler produced, the client still gets the response and the observer
-// (see [WithObserver]) gets the error; the record stays in progress until
-// its lease expires. Only when a transactional store reports [ErrRolledBack]
-// is the response replaced by 503, since nothing the handler did was kept.
+// [http.ErrNotSupported].
+//
+// A Complete or Release that fails with a transient error (any but
+// [ErrLeaseLost], [ErrRolledBack] and [ErrClosed]) is tried twice more,
+// after 10ms and 100ms, with a context that is not cancelled, unless the
+// wait would pass the end of the lease. When the store still fails to keep
+// a response the handler produced, the client gets the response and the
+// observer (see [WithObserver]) gets the error; the record stays in
+// progress until its lease lapses, and then a retry runs the handler again.
+// The response is replaced by 503 with Retry-After only when nothing the
+// handler did was kept (a transactional store reports [ErrRolledBack]), or
+// when the claim was lost and another request's outcome is what retries get
+// (Complete reports [ErrLeaseLost]; [ProblemLeaseLost]); a response that
+// was already streamed cannot be replaced.
 func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	if store == nil {
 		store = NewMemoryStore()
@@ -93,13 +123,14 @@ const (
 	// OutcomeRejected: the key or body was refused (400 or 413).
 	OutcomeRejected
 	// OutcomeUnavailable: the store failed and the handler did not run, or
-	// its outcome was rolled back (503).
+	// its outcome was rolled back, or could not be stored because its claim
+	// was lost (503).
 	OutcomeUnavailable
 	// OutcomeExecuted: the handler ran and its response was stored.
 	OutcomeExecuted
-	// OutcomeReleased: the handler ran, answered 5xx (or 408, 425 or
-	// 429) or panicked, and the
-	// claim was released.
+	// OutcomeReleased: the handler ran, answered 5xx (or 408, 425, 429 or
+	// 499), panicked, or returned without answering after its context
+	// ended, and the claim was released.
 	OutcomeReleased
 	// OutcomeReplayed: a stored response was replayed.
 	OutcomeReplayed
@@ -146,7 +177,9 @@ type Event struct {
 	// Err is the store's error, if any: the cause of OutcomeUnavailable,
 	// or a failure to complete or release a claim, such as [ErrLeaseLost].
 	// For a handler that panicked it wraps [ErrHandlerPanicked]; for a
-	// store that was full, [ErrStoreFull].
+	// store that was full, [ErrStoreFull]. When the handler's context
+	// ended, it wraps the context's cause: the client's, or one wrapping
+	// [ErrLeaseLost] or [ErrMaxHoldExceeded] when the middleware cancelled it.
 	Err error
 	// Evictions lists the completed records that the store dropped before
 	// they expired to make room for this request's key (see
@@ -251,7 +284,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			m.run(w, r, key, c.Token, &res, bufs)
+			m.run(w, r, key, c.Token, c.Now, &res, bufs)
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
@@ -315,74 +348,175 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 }
 
 // run serves a claimed request and stores or releases its outcome.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claim *PackedClaimResult, bufs *buffers) {
-	// The handler's body and ResponseWriter, in one allocation.
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claimed time.Time, claim *PackedClaimResult, bufs *buffers) {
+	cfg := m.cfg
+	// The handler's body, ResponseWriter and context, and the keeper of its
+	// lease, in one allocation.
 	x := &struct {
-		body bodyReader
-		rec  recorder
+		body  bodyReader
+		rec   recorder
+		lease leaseKeeper
+		ctx   handlerContext
 	}{
 		body: bodyReader{b: bufs.reqBody},
-		rec: recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders,
+		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
 			fields: bufs.fields, body: bufs.respBody},
+		lease: leaseKeeper{m: m, key: key, token: token},
 	}
-	rec := &x.rec
+	rec, lease := &x.rec, &x.lease
 	defer rec.release(bufs)
 	if r.Body != nil && r.Body != http.NoBody {
 		defer x.body.release()
 		r.Body = &x.body
 	}
+	reqCtx := r.Context()
 	storeCtx := claim.Context
-	if storeCtx != nil {
-		r = r.WithContext(storeCtx)
-	} else {
-		storeCtx = r.Context()
+	if storeCtx == nil {
+		storeCtx = reqCtx
 	}
+	// The handler's context ends when the request's does, or when the
+	// lease keeper gives up; it carries the claimed key.
+	ctx, cancel := context.WithCancelCause(storeCtx)
+	defer cancel(nil)
+	x.ctx = handlerContext{Context: ctx, key: &lease.key}
+	r = r.WithContext(&x.ctx)
 	// The outcome must be recorded even when the client has gone.
 	storeCtx = context.WithoutCancel(storeCtx)
+	lease.ctx, lease.cancel = storeCtx, cancel
+	if cfg.ownClock { // the keeper runs on the runtime's clock
+		claimed = time.Now()
+	}
+	lease.start(claimed)
+
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on
-			err := m.store.Release(storeCtx, key, token)
+			leaseEnd, _ := lease.stop()
+			err := m.release(storeCtx, key, token, leaseEnd)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Err: errors.Join(ErrHandlerPanicked, err), Evictions: claim.Evictions})
 		}
 	}()
 	m.next.ServeHTTP(rec, r)
 	returned = true
+	// No extension may run once the claim is being ended.
+	leaseEnd, lost := lease.stop()
+
+	if !rec.wroteHeader && (reqCtx.Err() != nil || ctx.Err() != nil) {
+		// The handler gave up on its ended context without answering, so
+		// it did not act: storing an implicit 200 would tell every retry
+		// that it had.
+		cause := context.Cause(reqCtx)
+		if cause == nil {
+			cause = context.Cause(ctx)
+		}
+		err := m.release(storeCtx, key, token, leaseEnd)
+		typ, detail := ProblemRequestCanceled, "the request was canceled before it was processed; nothing was stored"
+		if errors.Is(cause, ErrLeaseLost) || errors.Is(err, ErrLeaseLost) {
+			typ, detail = ProblemLeaseLost, "the request lost its idempotency key before it was processed"
+		}
+		m.replaceResponse(rec, typ, detail)
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: http.StatusServiceUnavailable, Err: errors.Join(cause, err), Evictions: claim.Evictions})
+		return
+	}
 	rec.finish()
 
 	if released(rec.status) {
-		err := m.store.Release(storeCtx, key, token)
+		err := m.release(storeCtx, key, token, leaseEnd)
 		rec.deliver()
-		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err, Evictions: claim.Evictions})
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status,
+			Err: errors.Join(context.Cause(reqCtx), lost, err), Evictions: claim.Evictions})
 		return
 	}
-	now := m.cfg.now()
-	expires := now.Add(m.cfg.ttl) // time.Time saturates; a store converting it must clamp
+	now := cfg.now()
+	expires := now.Add(cfg.ttl) // time.Time saturates; a store converting it must clamp
+	var resp *Response
+	if m.packed == nil {
+		resp = rec.response()
+	}
 	var err error
-	if m.packed != nil {
-		err = m.packed.CompletePacked(storeCtx, PackedCompletion{
-			Key: key, Token: token, Ref: claim.Ref, Response: packedOf(rec.parts()), Now: now, Expires: expires,
-		})
-	} else {
-		err = m.store.Complete(storeCtx, key, token, rec.response(), expires)
+	for try := 1; ; try++ {
+		if m.packed != nil {
+			err = m.packed.CompletePacked(storeCtx, PackedCompletion{
+				Key: key, Token: token, Ref: claim.Ref, Response: packedOf(rec.parts()), Now: now, Expires: expires,
+			})
+		} else {
+			err = m.store.Complete(storeCtx, key, token, resp, expires)
+		}
+		if !retryEnd(err, try, leaseEnd) {
+			break
+		}
 	}
-	if errors.Is(err, ErrRolledBack) && !rec.streaming {
-		clear(w.Header())
-		writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable,
-			"the outcome could not be kept and was rolled back; the request was not processed", m.cfg.retryAfter)
+	switch {
+	case !rec.streaming && errors.Is(err, ErrRolledBack):
+		m.replaceResponse(rec, ProblemStoreUnavailable,
+			"the outcome could not be kept and was rolled back; the request was not processed")
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: claim.Evictions})
-		return
+	case !rec.streaming && errors.Is(err, ErrLeaseLost):
+		// Another request took the key over: a retry gets its outcome, so
+		// this client must not be told a different one.
+		m.replaceResponse(rec, ProblemLeaseLost,
+			"the request lost its idempotency key to another request before its outcome was stored")
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: errors.Join(lost, err), Evictions: claim.Evictions})
+	default:
+		// A response that could not be stored still reaches the client;
+		// its record stays in progress until the lease lapses, and then a
+		// retry runs the handler again.
+		rec.deliver()
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: errors.Join(lost, err), Evictions: claim.Evictions})
 	}
-	rec.deliver()
-	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err, Evictions: claim.Evictions})
 }
 
+// replaceResponse answers 503 with Retry-After and a problem of type typ in
+// place of a response the handler wrote, and has not reached the client.
+// The fields set in front of the middleware stay; the handler's go.
+func (m *handler) replaceResponse(rec *recorder, typ, detail string) {
+	rec.resetHeader()
+	writeProblem(rec.w, typ, http.StatusServiceUnavailable, detail, m.cfg.retryAfter)
+}
+
+// Ending a claim is tried again after a transient failure, after each of
+// these waits in turn.
+var endRetryDelays = [...]time.Duration{10 * time.Millisecond, 100 * time.Millisecond}
+
+// release releases key's claim, trying again after a transient failure
+// while the lease lasts (leaseEnd, by the runtime's clock).
+func (m *handler) release(ctx context.Context, key Key, token string, leaseEnd time.Time) error {
+	for try := 1; ; try++ {
+		err := m.store.Release(ctx, key, token)
+		if !retryEnd(err, try, leaseEnd) {
+			return err
+		}
+	}
+}
+
+// retryEnd reports whether to try again the Complete or Release that failed
+// with err on its try'th attempt, and if so waits first. Only a transient
+// failure is tried again, at most len(endRetryDelays) times, and not when
+// the wait would pass leaseEnd, after which the key may be taken over.
+func retryEnd(err error, try int, leaseEnd time.Time) bool {
+	if err == nil || try > len(endRetryDelays) ||
+		errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrRolledBack) || errors.Is(err, ErrClosed) {
+		return false
+	}
+	d := endRetryDelays[try-1]
+	if !time.Now().Add(d).Before(leaseEnd) {
+		return false
+	}
+	time.Sleep(d)
+	return true
+}
+
+// statusClientClosedRequest is the status that nginx and others log, and
+// some handlers write, for a request whose client went away.
+const statusClientClosedRequest = 499
+
 // released reports whether a response with status ends its claim with a
-// release rather than being stored: a server error, or a refusal that
-// invites the client to send the same request again.
+// release rather than being stored: a server error, a refusal that invites
+// the client to send the same request again, or a note that the client went
+// away before it got an answer.
 func released(status int) bool {
 	switch status {
-	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests, statusClientClosedRequest:
 		return true
 	}
 	return status >= http.StatusInternalServerError

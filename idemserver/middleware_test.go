@@ -322,6 +322,7 @@ func TestOutcomeByStatus(t *testing.T) {
 		{http.StatusInternalServerError, false},
 		{http.StatusBadGateway, false},
 		{http.StatusServiceUnavailable, false},
+		{statusClientClosedRequest, false},
 		{599, false},
 	} {
 		t.Run(http.StatusText(tt.status)+" "+itoa(int64(tt.status)), func(t *testing.T) {

@@ -13,9 +13,14 @@ const (
 	DefaultKeyHeader = "Idempotency-Key"
 	// DefaultTTL is how long a completed response is kept for replay.
 	DefaultTTL = 24 * time.Hour
-	// DefaultLease is how long a handler may run before another request
-	// with its key may take its claim over.
+	// DefaultLease is how long the claim of a handler that stopped without
+	// ending it (its process died) holds its key before another request
+	// may take it over. A running handler's lease is renewed.
 	DefaultLease = time.Minute
+	// DefaultMaxHold is how long one handler may hold its key, renewing
+	// its lease, before the middleware stops renewing it and cancels the
+	// handler's context.
+	DefaultMaxHold = 10 * time.Minute
 	// DefaultMaxBodyBytes is the largest request body the middleware
 	// reads to fingerprint a request.
 	DefaultMaxBodyBytes = 1 << 20
@@ -38,11 +43,13 @@ type config struct {
 	wait          time.Duration
 	ttl           time.Duration
 	lease         time.Duration
+	maxHold       time.Duration
 	maxBody       int64
 	maxResponse   int64
 	retryAfter    string
 	replayHeaders map[string]bool
 	now           func() time.Time
+	ownClock      bool // now is not time.Now
 	observe       func(Event)
 }
 
@@ -52,6 +59,7 @@ func newConfig(opts []Option) *config {
 		methods:     map[string]bool{http.MethodPost: true, http.MethodPatch: true},
 		ttl:         DefaultTTL,
 		lease:       DefaultLease,
+		maxHold:     DefaultMaxHold,
 		maxBody:     DefaultMaxBodyBytes,
 		maxResponse: DefaultMaxResponseBytes,
 		now:         time.Now,
@@ -101,10 +109,20 @@ func WithTTL(d time.Duration) Option {
 	}
 }
 
-// WithLease sets how long a handler may run under its claim. A record still
-// in progress after that is taken to belong to a handler that crashed, and
-// the next request with its key takes it over and runs the handler again,
-// so the lease must be longer than the slowest handler. Values of zero or
+// WithLease sets the lease of a claim: how long a record in progress
+// holds its key without being renewed. While the handler runs, the
+// middleware extends the lease ([Store.Extend]) every third of a lease, so a
+// live handler is never taken over however long it runs (up to
+// [WithMaxHold]); a failed extension is tried again while the lease lasts.
+// If the lease is lost anyway (the store reports [ErrLeaseLost], or it
+// could not be extended before it ended), the handler's context is
+// cancelled with a cause wrapping [ErrLeaseLost].
+//
+// A record still in progress when its lease has ended belonged to a handler
+// that stopped without ending its claim, because its process died; the next
+// request with its key takes it over and runs the handler again. So the
+// lease is how long a key waits after a crash, and it should be long enough
+// that a renewal can get through a short store outage. Values of zero or
 // less mean [DefaultLease].
 func WithLease(d time.Duration) Option {
 	return func(c *config) {
@@ -112,6 +130,27 @@ func WithLease(d time.Duration) Option {
 			d = DefaultLease
 		}
 		c.lease = d
+	}
+}
+
+// WithMaxHold bounds how long one handler may hold its key, so that a
+// handler that never returns does not keep its key, and every retry of it
+// waiting with 409, forever. When the handler has run for d, the
+// middleware stops renewing its lease and cancels its context with a cause
+// wrapping [ErrMaxHoldExceeded]. The lease then lapses within one lease
+// (see [WithLease]), after which the next request with the key takes it
+// over and runs the handler again, even if the first is still running. A
+// handler therefore holds its key for at most d plus one lease. A handler
+// that returns after d without writing a response has its claim released;
+// one whose claim was taken over meanwhile cannot store its response, and
+// its client is told to retry (see [ProblemLeaseLost]). Values of zero or
+// less mean [DefaultMaxHold].
+func WithMaxHold(d time.Duration) Option {
+	return func(c *config) {
+		if d <= 0 {
+			d = DefaultMaxHold
+		}
+		c.maxHold = d
 	}
 }
 
@@ -202,10 +241,10 @@ func WithRetryAfter(d time.Duration) Option {
 // testing/synctest bubble.
 func WithClock(now func() time.Time) Option {
 	return func(c *config) {
+		c.now, c.ownClock = now, now != nil
 		if now == nil {
-			now = time.Now
+			c.now = time.Now
 		}
-		c.now = now
 	}
 }
 

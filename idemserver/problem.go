@@ -35,6 +35,19 @@ const (
 	// not run the handler or kept nothing it did. Retry the same request
 	// later.
 	ProblemStoreUnavailable = problemBase + "ProblemStoreUnavailable"
+	// ProblemLeaseLost (503, with Retry-After): the handler ran, but its
+	// claim on the key was lost before its response could be stored: it
+	// held the key past [WithMaxHold], or its lease could not be renewed,
+	// and another request took the key over. The response is withheld,
+	// since a retry gets that other request's outcome, not this one. Retry
+	// the same request.
+	ProblemLeaseLost = problemBase + "ProblemLeaseLost"
+	// ProblemRequestCanceled (503, with Retry-After): the request's context
+	// ended (the client went away, a deadline set in front of the
+	// middleware passed, or the handler held its key past [WithMaxHold])
+	// and the handler returned without writing a response. Nothing was
+	// stored and the claim was released. Retry the same request.
+	ProblemRequestCanceled = problemBase + "ProblemRequestCanceled"
 	// ProblemResponseNotStored (replayed with the original status): the
 	// request with this key was processed, but its response was too large
 	// to keep (see [WithMaxResponseBytes]).
@@ -68,6 +81,10 @@ func problemTitle(typ string) string {
 		return "Request with this idempotency key in progress"
 	case ProblemStoreUnavailable:
 		return "Idempotency store unavailable"
+	case ProblemLeaseLost:
+		return "Idempotency key lost to another request"
+	case ProblemRequestCanceled:
+		return "Request canceled before the handler answered"
 	case ProblemResponseNotStored:
 		return "Response of this idempotency key not stored"
 	}

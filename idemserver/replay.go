@@ -83,6 +83,18 @@ func (c *recorder) begin() {
 	c.outerEnd = len(c.fields)
 }
 
+// resetHeader puts the client's header map back as it was before the
+// handler first reached it, for a response the middleware writes in place
+// of the handler's.
+func (c *recorder) resetHeader() {
+	if !c.begun {
+		return
+	}
+	h := c.w.Header()
+	clear(h)
+	fieldsInto(h, string(c.fields[:c.outerEnd]))
+}
+
 // Header returns the client's header map, as net/http does. Fields set in
 // it only reach the client when the recorder lets the response through,
 // and then as they were at WriteHeader; see [recorder].

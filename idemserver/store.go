@@ -24,11 +24,13 @@ import (
 // again. Both act only while the record still holds the caller's lease
 // token; otherwise they change nothing and return [ErrLeaseLost].
 //
-// A lease ends at the LeaseExpires time of its [Claim]. A record still in
-// progress after that belonged to a handler that crashed or hung, and the
-// middleware takes it over with [Store.TakeOver], a compare-and-set on the
-// expired lease token: of several requests trying to take over the same
-// lease, only one succeeds.
+// A lease ends at the LeaseExpires time of its [Claim], which the
+// middleware moves on with [Store.Extend] while the handler runs. A record
+// still in progress after that belonged to a handler that crashed, or that
+// held its key past the middleware's maximum hold, and the middleware takes
+// it over with [Store.TakeOver], a compare-and-set on the expired lease
+// token: of several requests trying to take over the same lease, only one
+// succeeds.
 //
 // # One round trip
 //

@@ -106,9 +106,16 @@ func TestStoreFailure(t *testing.T) {
 			tt.setup(t, store)
 			var events []Event
 			h := &countingHandler{}
-			w := serve(Middleware(store, WithClock(clock.Now), WithObserver(func(e Event) { events = append(events, e) }))(h),
-				newRequest(http.MethodPost, "/x", "k", "b"))
+			dedup := Middleware(store, WithClock(clock.Now), WithObserver(func(e Event) { events = append(events, e) }))(h)
+			// A field set in front of the middleware belongs to the request,
+			// whatever the middleware answers.
+			outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("X-Request-Id", "req-1")
+				dedup.ServeHTTP(w, r)
+			})
+			w := serve(outer, newRequest(http.MethodPost, "/x", "k", "b"))
 			assert.Equal(t, tt.status, w.Code)
+			assert.Equal(t, "req-1", w.Header().Get("X-Request-Id"))
 			if w.Code == http.StatusServiceUnavailable {
 				decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
 				assert.Equal(t, "1", w.Header().Get("Retry-After"))

@@ -1,0 +1,323 @@
+package idemserver
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+const testLease = time.Second
+
+var errTransient = errors.New("store briefly unreachable")
+
+// runFor is a handler that works for d unless its context ends first, and
+// then answers 201 naming the call. It records its context's cause, and
+// when it ended, in cause and ended.
+type runFor struct {
+	d      atomic.Int64 // a time.Duration
+	calls  atomic.Int64
+	cause  atomic.Pointer[error]
+	ended  atomic.Pointer[time.Time]
+	ignore bool // keeps working after its context ends
+}
+
+func newRunFor(d time.Duration, ignore bool) *runFor {
+	h := &runFor{ignore: ignore}
+	h.d.Store(int64(d))
+	return h
+}
+
+func (h *runFor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	n := h.calls.Add(1)
+	done := time.After(time.Duration(h.d.Load()))
+	select {
+	case <-done:
+	case <-r.Context().Done():
+		now, cause := time.Now(), context.Cause(r.Context())
+		h.ended.Store(&now)
+		h.cause.Store(&cause)
+		if !h.ignore {
+			return
+		}
+		<-done
+	}
+	w.WriteHeader(http.StatusCreated)
+	_, _ = io.WriteString(w, "call "+itoa(n))
+}
+
+// eventLog collects the observer's events from any goroutine.
+type eventLog struct {
+	mu     sync.Mutex
+	events []Event
+}
+
+func (l *eventLog) observe(e Event) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.events = append(l.events, e)
+}
+
+func (l *eventLog) all() []Event {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.events)
+}
+
+// serveAsync serves r in a new goroutine; the response arrives on the
+// channel.
+func serveAsync(h http.Handler, r *http.Request) <-chan *httptest.ResponseRecorder {
+	done := make(chan *httptest.ResponseRecorder, 1)
+	go func() { done <- serve(h, r) }()
+	return done
+}
+
+// TestLeaseRenewedWhileHandlerRuns runs a handler for ten leases: its lease
+// is renewed throughout, so every duplicate meanwhile is told 409, the
+// handler runs once and its context never ends.
+func TestLeaseRenewedWhileHandlerRuns(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		h := newRunFor(10*testLease, false)
+		mw := Middleware(nil, WithLease(testLease))(h)
+		first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		synctest.Wait()
+		for range 19 {
+			time.Sleep(testLease / 2)
+			w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+		}
+		w := <-first
+		assert.Equal(t, http.StatusCreated, w.Code)
+		assert.Equal(t, "call 1", w.Body.String())
+		assert.Nil(t, h.cause.Load(), "the handler's context did not end")
+		retry := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		assert.Equal(t, "true", retry.Header().Get(ReplayedHeader))
+		assert.Equal(t, "call 1", retry.Body.String())
+		assert.EqualValues(t, 1, h.calls.Load())
+	})
+}
+
+// TestDeadHandlerIsTakenOver leaves a claim made directly through the store,
+// as by a process that then died: nothing renews it, and once its lease has
+// ended the next request takes it over.
+func TestDeadHandlerIsTakenOver(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := NewMemoryStore()
+		now := time.Now()
+		res, err := store.Claim(t.Context(), Claim{
+			Key: Key{Key: "k"}, Fingerprint: fingerprint(http.MethodPost, "/x", "", []byte("b")),
+			Token: "dead", Now: now, LeaseExpires: now.Add(testLease),
+		})
+		require.NoError(t, err)
+		require.True(t, res.Claimed)
+		h := &countingHandler{}
+		mw := Middleware(store, WithLease(testLease))(h)
+
+		time.Sleep(testLease - time.Millisecond)
+		decodeProblem(t, serve(mw, newRequest(http.MethodPost, "/x", "k", "b")), ProblemInProgress, http.StatusConflict)
+		time.Sleep(time.Millisecond)
+		w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		assert.Equal(t, http.StatusCreated, w.Code)
+		assert.EqualValues(t, 1, h.calls.Load())
+	})
+}
+
+// TestLeaseLostCancelsHandler makes the store report that the lease is
+// lost at the first extension: the handler's context ends with a cause
+// wrapping ErrLeaseLost, and the observer is told.
+func TestLeaseLostCancelsHandler(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := newStubStore()
+		store.extend = func(context.Context, Key, string, time.Time) error {
+			return ErrLeaseLost
+		}
+		var log eventLog
+		h := newRunFor(10*testLease, false)
+		mw := Middleware(store, WithLease(testLease), WithObserver(log.observe))(h)
+		start := time.Now()
+		w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+
+		require.NotNil(t, h.cause.Load(), "the handler's context ended")
+		assert.ErrorIs(t, *h.cause.Load(), ErrLeaseLost)
+		assert.Equal(t, start.Add(testLease/3), *h.ended.Load(), "at the first extension")
+		decodeProblem(t, w, ProblemLeaseLost, http.StatusServiceUnavailable)
+		events := log.all()
+		require.Len(t, events, 1)
+		assert.Equal(t, OutcomeReleased, events[0].Outcome)
+		assert.ErrorIs(t, events[0].Err, ErrLeaseLost)
+	})
+}
+
+// TestLeaseExtensionRetried makes extensions fail for a while: a lease
+// that is extended before it ends keeps the handler running; one that
+// cannot be ends the handler's context before the lease does, with a cause
+// wrapping ErrLeaseLost. No extension is made after the claim has ended.
+func TestLeaseExtensionRetried(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		failures int64 // extensions that fail before the rest succeed
+		lost     bool
+	}{
+		{"fails once", 1, false},
+		{"fails for half a lease", int64(testLease / 2 / renewRetryDelay(testLease)), false},
+		{"fails for good", 1 << 62, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				store := newStubStore()
+				var extensions, failed atomic.Int64
+				var ended atomic.Bool
+				store.extend = func(ctx context.Context, k Key, token string, expires time.Time) error {
+					assert.False(t, ended.Load(), "extension after the claim ended")
+					extensions.Add(1)
+					if failed.Add(1) <= tt.failures {
+						return errTransient
+					}
+					return store.MemoryStore.Extend(ctx, k, token, expires)
+				}
+				store.complete = func(ctx context.Context, k Key, token string, resp *Response, expires time.Time) error {
+					ended.Store(true)
+					return store.MemoryStore.Complete(ctx, k, token, resp, expires)
+				}
+				store.release = func(ctx context.Context, k Key, token string) error {
+					ended.Store(true)
+					return store.MemoryStore.Release(ctx, k, token)
+				}
+				var log eventLog
+				h := newRunFor(10*testLease, false)
+				mw := Middleware(store, WithLease(testLease), WithObserver(log.observe))(h)
+				start := time.Now()
+				w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				events := log.all()
+				require.Len(t, events, 1)
+				if !tt.lost {
+					assert.Nil(t, h.cause.Load(), "the handler's context did not end")
+					assert.Equal(t, http.StatusCreated, w.Code)
+					assert.Equal(t, OutcomeExecuted, events[0].Outcome)
+					assert.NoError(t, events[0].Err)
+					assert.Greater(t, extensions.Load(), tt.failures)
+				} else {
+					require.NotNil(t, h.cause.Load(), "the handler's context ended")
+					assert.ErrorIs(t, *h.cause.Load(), ErrLeaseLost)
+					assert.ErrorIs(t, *h.cause.Load(), errTransient)
+					assert.Less(t, *h.ended.Load(), start.Add(testLease), "before the lease ended")
+					assert.Greater(t, extensions.Load(), int64(2), "extensions are tried again")
+					decodeProblem(t, w, ProblemLeaseLost, http.StatusServiceUnavailable)
+					assert.ErrorIs(t, events[0].Err, ErrLeaseLost)
+				}
+				n := extensions.Load()
+				time.Sleep(10 * testLease)
+				assert.Equal(t, n, extensions.Load(), "no extension after the request")
+			})
+		})
+	}
+}
+
+// TestLeaseLostBeforeComplete lets a handler lose its lease (it cannot be
+// extended), keep working and answer after another request has taken its
+// key over and stored its own outcome. The first client is not given an
+// answer that differs from the stored one: it is told to retry, and its
+// retry gets the stored outcome.
+func TestLeaseLostBeforeComplete(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := newStubStore()
+		store.extend = func(context.Context, Key, string, time.Time) error {
+			return errTransient
+		}
+		var log eventLog
+		h := newRunFor(3*testLease, true)
+		mw := Middleware(store, WithLease(testLease), WithObserver(log.observe))(h)
+		first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		time.Sleep(testLease)
+		h.d.Store(0) // the request that takes the key over answers at once
+		second := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		assert.Equal(t, http.StatusCreated, second.Code)
+		assert.Equal(t, "call 2", second.Body.String())
+
+		w := <-first
+		decodeProblem(t, w, ProblemLeaseLost, http.StatusServiceUnavailable)
+		assert.NotEmpty(t, w.Header().Get("Retry-After"))
+		events := log.all()
+		require.Len(t, events, 2)
+		assert.Equal(t, OutcomeUnavailable, events[1].Outcome)
+		assert.ErrorIs(t, events[1].Err, ErrLeaseLost)
+		retry := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		assert.Equal(t, "true", retry.Header().Get(ReplayedHeader))
+		assert.Equal(t, "call 2", retry.Body.String())
+	})
+}
+
+// TestMaxHold runs a handler that ignores its context past the maximum
+// hold: its context ends then, its lease is no longer renewed and lapses one
+// lease later, when a duplicate takes the key over.
+func TestMaxHold(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		maxHold time.Duration
+		want    time.Duration
+	}{
+		{"default", 0, DefaultMaxHold},
+		{"shorter", 5 * testLease, 5 * testLease},
+		{"shorter than the lease", testLease / 2, testLease / 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				var log eventLog
+				h := newRunFor(tt.want+3*testLease, true)
+				mw := Middleware(nil, WithLease(testLease), WithMaxHold(tt.maxHold),
+					WithObserver(log.observe))(h)
+				start := time.Now()
+				first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+
+				// The lease was extended before the maximum hold ended: the
+				// key is held a while longer, but no more than a lease.
+				time.Sleep(tt.want + time.Millisecond)
+				require.NotNil(t, h.cause.Load(), "the handler's context ended")
+				assert.ErrorIs(t, *h.cause.Load(), ErrMaxHoldExceeded)
+				assert.Equal(t, start.Add(tt.want), *h.ended.Load())
+				decodeProblem(t, serve(mw, newRequest(http.MethodPost, "/x", "k", "b")), ProblemInProgress, http.StatusConflict)
+
+				time.Sleep(testLease - time.Millisecond)
+				h.d.Store(0)
+				second := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				assert.Equal(t, "call 2", second.Body.String(), "taken over within a lease of the maximum hold")
+
+				decodeProblem(t, <-first, ProblemLeaseLost, http.StatusServiceUnavailable)
+				events := log.all()
+				require.Len(t, events, 3)
+				assert.ErrorIs(t, events[2].Err, ErrMaxHoldExceeded)
+				assert.ErrorIs(t, events[2].Err, ErrLeaseLost)
+			})
+		})
+	}
+}
+
+// TestMaxHoldHandlerGivesUp: a handler that returns without answering when
+// its context ends at the maximum hold has its claim released.
+func TestMaxHoldHandlerGivesUp(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var log eventLog
+		h := newRunFor(time.Hour, false)
+		mw := Middleware(nil, WithLease(testLease), WithMaxHold(5*testLease),
+			WithObserver(log.observe))(h)
+		w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		decodeProblem(t, w, ProblemRequestCanceled, http.StatusServiceUnavailable)
+		events := log.all()
+		require.Len(t, events, 1)
+		assert.Equal(t, OutcomeReleased, events[0].Outcome)
+		assert.ErrorIs(t, events[0].Err, ErrMaxHoldExceeded)
+		h.d.Store(0)
+		retry := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		assert.Equal(t, "call 2", retry.Body.String(), "the claim was released")
+	})
+}
