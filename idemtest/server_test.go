@@ -58,16 +58,51 @@ func post(ctx context.Context, c *http.Client, url, key string) outcome {
 		replayed: resp.Header.Get(idemserver.ReplayedHeader) == "true"}
 }
 
-// TestServerFaultsFireAtTheirRates sends 2000 requests with distinct keys,
-// each once, and checks that every request meets the fault decided for it,
-// as the client and the ledger see it, and that each fault fires at its rate.
-func TestServerFaultsFireAtTheirRates(t *testing.T) {
+// faulty is a server or proxy under test: where to send requests, and what
+// its injector and the ledger behind it saw.
+type faulty struct {
+	url   string
+	stats func() Stats
+	runs  func() map[string]int
+}
+
+// servers returns constructors of the two fault injectors: a Server, and a
+// Proxy in front of a Server without faults.
+func servers() map[string]func(t *testing.T, f Faults, seed int64) faulty {
+	return map[string]func(t *testing.T, f Faults, seed int64) faulty{
+		"server": func(t *testing.T, f Faults, seed int64) faulty {
+			srv := NewServer(created, WithFaults(f), WithSeed(seed))
+			t.Cleanup(srv.Close)
+			return faulty{url: srv.URL, stats: srv.Stats, runs: srv.Executions}
+		},
+		"proxy": func(t *testing.T, f Faults, seed int64) faulty {
+			srv := NewServer(created)
+			t.Cleanup(srv.Close)
+			p, err := NewProxy(srv.URL, f, seed)
+			require.NoError(t, err)
+			t.Cleanup(func() { assert.NoError(t, p.Close()) })
+			assert.Equal(t, seed, p.Seed())
+			assert.Equal(t, "http://"+p.Addr(), p.URL())
+			return faulty{url: p.URL(), stats: p.Stats, runs: srv.Executions}
+		},
+	}
+}
+
+// TestFaultsFireAtTheirRates sends 2000 requests with distinct keys, each
+// once, through a Server and through a Proxy, and checks that every request
+// meets the fault decided for it, as the client and the ledger see it, and
+// that each fault fires at its rate.
+func TestFaultsFireAtTheirRates(t *testing.T) {
+	for name, start := range servers() {
+		t.Run(name, func(t *testing.T) { testFaultsFireAtTheirRates(t, start) })
+	}
+}
+
+func testFaultsFireAtTheirRates(t *testing.T, start func(*testing.T, Faults, int64) faulty) {
 	f := Faults{ResetBefore: .08, LoseResponse: .08, Unavailable: .08, TooManyRequests: .08, Stall: .08,
 		RetryAfter: 1500 * time.Millisecond, Latency: .2, MaxLatency: time.Millisecond}
 	const n, seed = 2000, 20240601
-	srv := NewServer(created, WithFaults(f), WithSeed(seed))
-	defer srv.Close()
-
+	srv := start(t, f, seed)
 	want := map[fault]int{}
 	delayed := 0
 	decisions := make([]decision, n)
@@ -94,18 +129,18 @@ func TestServerFaultsFireAtTheirRates(t *testing.T) {
 	sem := make(chan struct{}, 16)
 	for i := range n {
 		if decisions[i].fault == faultStall {
-			stalls.Go(func() { outcomes[i] = post(stallCtx, client, srv.URL, fmt.Sprintf("k-%d", i)) })
+			stalls.Go(func() { outcomes[i] = post(stallCtx, client, srv.url, fmt.Sprintf("k-%d", i)) })
 			continue
 		}
 		sem <- struct{}{}
 		others.Go(func() {
 			defer func() { <-sem }()
-			outcomes[i] = post(t.Context(), client, srv.URL, fmt.Sprintf("k-%d", i))
+			outcomes[i] = post(t.Context(), client, srv.url, fmt.Sprintf("k-%d", i))
 		})
 	}
 	others.Wait()
 	// Every stalled request is held until its client gives up.
-	require.Eventually(t, func() bool { return srv.Stats().Stalled == want[faultStall] },
+	require.Eventually(t, func() bool { return srv.stats().Stalled == want[faultStall] },
 		10*time.Second, time.Millisecond)
 	for i, d := range decisions {
 		if d.fault == faultStall {
@@ -115,7 +150,7 @@ func TestServerFaultsFireAtTheirRates(t *testing.T) {
 	giveUp()
 	stalls.Wait()
 
-	runs := srv.Executions()
+	runs := srv.runs()
 	for i, d := range decisions {
 		key := fmt.Sprintf("k-%d", i)
 		got := outcomes[i]
@@ -141,20 +176,24 @@ func TestServerFaultsFireAtTheirRates(t *testing.T) {
 		Requests: n, Delayed: delayed,
 		ResetBefore: want[faultResetBefore], LostResponses: want[faultLoseResponse],
 		Unavailable: want[faultUnavailable], TooManyRequests: want[faultTooManyRequests], Stalled: want[faultStall],
-	}, srv.Stats())
-	assert.Empty(t, srv.Duplicates())
+	}, srv.stats())
 }
 
-// TestServerSameSeedSameOutcomes sends three attempts of each of 150 keys,
-// keys in parallel, to servers with the same and with different seeds: the
-// same seed gives each attempt the same fate whatever the scheduling.
-func TestServerSameSeedSameOutcomes(t *testing.T) {
+// TestSameSeedSameOutcomes sends three attempts of each of 150 keys, keys
+// in parallel, to servers (and proxies) with the same and with different
+// seeds: the same seed gives each attempt the same fate whatever the
+// scheduling.
+func TestSameSeedSameOutcomes(t *testing.T) {
+	for name, start := range servers() {
+		t.Run(name, func(t *testing.T) { testSameSeedSameOutcomes(t, start) })
+	}
+}
+
+func testSameSeedSameOutcomes(t *testing.T, start func(*testing.T, Faults, int64) faulty) {
 	f := Faults{ResetBefore: .15, LoseResponse: .15, Unavailable: .15, TooManyRequests: .15,
 		Latency: .3, MaxLatency: 2 * time.Millisecond}
 	run := func(seed int64) map[string][3]outcome {
-		srv := NewServer(created, WithFaults(f), WithSeed(seed))
-		defer srv.Close()
-		assert.Equal(t, seed, srv.Seed())
+		srv := start(t, f, seed)
 		client := rawClient()
 		defer client.CloseIdleConnections()
 		var mu sync.Mutex
@@ -168,7 +207,7 @@ func TestServerSameSeedSameOutcomes(t *testing.T) {
 				key := fmt.Sprintf("k-%d", i)
 				var o [3]outcome
 				for a := range o {
-					o[a] = post(t.Context(), client, srv.URL, key)
+					o[a] = post(t.Context(), client, srv.url, key)
 				}
 				mu.Lock()
 				got[key] = o
