@@ -17,10 +17,15 @@
 //
 // At the end every payment must have been driven to completion, so the
 // ledger must hold each operation exactly once: an operation executed more
-// than once is a duplicate, one executed never is lost. The report ends with
-// lines that read "duplicates: N" and "lost: N"; idemchaos exits with status 1,
-// naming the operations, if either is above zero, and with status 2 if the
-// scenario could not be run.
+// than once is a duplicate, one executed never is lost. The report has lines
+// that read "duplicates: N" and "lost: N", and counts the attempts (requests
+// that reached the proxy), the retries (attempts beyond one per operation),
+// the replays served (responses marked Idempotent-Replayed that passed the
+// proxy, including those it then dropped), the faults injected, the client
+// kills, the server restarts, the seed and the wall time. idemchaos exits
+// with status 1, naming the operations, if there are duplicates or lost
+// operations, or operations the client never saw succeed; with status 2 if
+// the scenario could not be run.
 //
 // Usage:
 //
