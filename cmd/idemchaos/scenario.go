@@ -1,0 +1,430 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/idemhttp/idemhttp/idemtest"
+)
+
+// unsafeFlag serves without the middleware, to show that idemchaos catches
+// a server that executes retries again. It is left out of the usage text.
+const unsafeFlag = "unsafe-no-middleware"
+
+// scenario is what a run does, from the flags.
+type scenario struct {
+	ops, workers    int
+	clientKills     int
+	serverRestarts  int
+	faults          float64
+	store           string
+	seed            int64
+	timeout         time.Duration
+	dir             string
+	noMiddleware    bool
+	self            string // this program's executable
+	stderr          io.Writer
+	pollEvery       time.Duration
+	serverReadyWait time.Duration
+}
+
+// runScenario runs the scenario args describe, prints its report to stdout
+// and returns the exit status.
+func runScenario(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	sc, err := parseScenario(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "idemchaos:", err)
+		return exitError
+	}
+	rep, err := sc.run(ctx)
+	if err != nil {
+		fmt.Fprintln(stderr, "idemchaos:", err)
+		return exitError
+	}
+	rep.print(stdout)
+	if rep.failed() {
+		return exitFailed
+	}
+	return 0
+}
+
+func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
+	if _, ok := stderr.(*os.File); !ok {
+		stderr = &lockedWriter{w: stderr} // the children write to it too
+	}
+	sc := &scenario{stderr: stderr, pollEvery: 2 * time.Millisecond, serverReadyWait: 30 * time.Second}
+	fs := flag.NewFlagSet("idemchaos", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&sc.ops, "ops", 300, "operations to make")
+	fs.IntVar(&sc.workers, "workers", 8, "operations the client makes at once")
+	fs.IntVar(&sc.clientKills, "client-kills", 3, "times the client is killed with SIGKILL and restarted")
+	fs.IntVar(&sc.serverRestarts, "server-restarts", 0,
+		"times the server is killed with SIGKILL and restarted (persistent stores only)")
+	fs.Float64Var(&sc.faults, "faults", 0.2, "share of requests the proxy faults, in [0, 1]")
+	fs.StringVar(&sc.store, "store", "memory", "the server's store: "+storeNames)
+	fs.Int64Var(&sc.seed, "seed", 0, "seed of the faults and of the kill moments (0: random)")
+	fs.DurationVar(&sc.timeout, "timeout", 5*time.Minute, "bound on the whole run")
+	fs.StringVar(&sc.dir, "dir", "", "keep the run's files in this directory (default: a temporary one, removed)")
+	fs.BoolVar(&sc.noMiddleware, unsafeFlag, false, "serve without the middleware (a broken server)")
+	fs.Usage = func() {
+		shown := flag.NewFlagSet("idemchaos", flag.ContinueOnError)
+		shown.SetOutput(stderr)
+		fs.VisitAll(func(f *flag.Flag) {
+			if f.Name != unsafeFlag {
+				shown.Var(f.Value, f.Name, f.Usage)
+			}
+		})
+		fmt.Fprintln(stderr, "usage: idemchaos [flags]")
+		shown.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	switch {
+	case sc.ops < 1:
+		return nil, fmt.Errorf("-ops %d: need at least one operation", sc.ops)
+	case sc.workers < 1:
+		return nil, fmt.Errorf("-workers %d: need at least one", sc.workers)
+	case sc.clientKills < 0 || sc.serverRestarts < 0:
+		return nil, errors.New("-client-kills and -server-restarts cannot be negative")
+	case math.IsNaN(sc.faults) || sc.faults < 0 || sc.faults > 1:
+		return nil, fmt.Errorf("-faults %v: want a share in [0, 1]", sc.faults)
+	case sc.timeout <= 0:
+		return nil, fmt.Errorf("-timeout %v: want a positive duration", sc.timeout)
+	}
+	if _, closeStore, err := openStore(context.Background(), sc.store); err != nil {
+		return nil, err
+	} else if err := closeStore(); err != nil {
+		return nil, err
+	}
+	if sc.serverRestarts > 0 && !persistent(sc.store) {
+		return nil, fmt.Errorf("-server-restarts %d needs a persistent store: the %s store keeps its keys "+
+			"in the server process, and a restart would lose every one of them", sc.serverRestarts, sc.store)
+	}
+	if sc.seed == 0 {
+		sc.seed = rand.Int64()
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	sc.self = self
+	return sc, nil
+}
+
+// proxyFaults spreads a share p of faulted requests over the kinds of
+// fault, and delays another share p of requests by up to 20ms.
+func proxyFaults(p float64) idemtest.Faults {
+	return idemtest.Faults{
+		ResetBefore:     0.25 * p,
+		LoseResponse:    0.3 * p,
+		Unavailable:     0.2 * p,
+		TooManyRequests: 0.15 * p,
+		Stall:           0.1 * p,
+		RetryAfter:      time.Second,
+		Latency:         p,
+		MaxLatency:      20 * time.Millisecond,
+	}
+}
+
+// files of a run, in its directory.
+type files struct {
+	ledger, keys, clientLog string
+}
+
+func (sc *scenario) run(ctx context.Context) (*report, error) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(ctx, sc.timeout)
+	defer cancel()
+	dir := sc.dir
+	if dir == "" {
+		tmp, err := os.MkdirTemp("", "idemchaos")
+		if err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(tmp)
+		dir = tmp
+	} else if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	f := files{
+		ledger:    filepath.Join(dir, "ledger"),
+		keys:      filepath.Join(dir, "pending.keys"),
+		clientLog: filepath.Join(dir, "client.log"),
+	}
+	for _, p := range []string{f.ledger, f.keys, f.clientLog} {
+		if _, err := os.Stat(p); err == nil {
+			return nil, fmt.Errorf("%s exists: -dir must not hold an earlier run", p)
+		}
+	}
+
+	// The server children inherit the listening socket, so that a
+	// restarted server listens where the proxy sends.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	addr := ln.Addr().String()
+	sock, err := ln.(*net.TCPListener).File()
+	ln.Close()
+	if err != nil {
+		return nil, err
+	}
+	defer sock.Close()
+	serverArgs := []string{"-ledger", f.ledger, "-store", sc.store}
+	if sc.noMiddleware {
+		serverArgs = append(serverArgs, "-"+unsafeFlag)
+	}
+	server, err := sc.startServer(ctx, serverArgs, sock)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { server.kill() }()
+
+	proxy, err := idemtest.NewProxy("http://"+addr, proxyFaults(sc.faults), sc.seed)
+	if err != nil {
+		return nil, err
+	}
+	defer proxy.Close()
+
+	clientArgs := []string{"-keys", f.keys, "-log", f.clientLog, "-url", proxy.URL(),
+		"-ops", strconv.Itoa(sc.ops), "-workers", strconv.Itoa(sc.workers)}
+	rep := &report{scenario: sc}
+	rng := rand.New(rand.NewPCG(uint64(sc.seed), 0x6b696c6c73))
+	killAt := moments(rng, sc.clientKills, sc.ops)
+	restartAt := moments(rng, sc.serverRestarts, sc.ops)
+	progress := &doneTail{path: f.clientLog, done: make(map[string]bool)}
+
+	client, err := sc.start(roleClient, clientArgs, nil, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { client.kill() }()
+	tick := time.NewTicker(sc.pollEvery)
+	defer tick.Stop()
+	for finished := false; !finished; {
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("the run did not finish: %w (%d of %d operations done)",
+				ctx.Err(), len(progress.done), sc.ops)
+		case <-client.exited:
+			if client.err != nil {
+				return nil, fmt.Errorf("client worker failed: %w", client.err)
+			}
+			finished = true
+			continue
+		case <-tick.C:
+		}
+		if err := progress.read(); err != nil {
+			return nil, err
+		}
+		if len(restartAt) > 0 && len(progress.done) >= restartAt[0] {
+			restartAt = restartAt[1:]
+			sleepRandom(ctx, rng)
+			server.kill()
+			if server, err = sc.startServer(ctx, serverArgs, sock); err != nil {
+				return nil, err
+			}
+			rep.serverRestarts++
+		}
+		if len(killAt) > 0 && len(progress.done) >= killAt[0] {
+			killAt = killAt[1:]
+			sleepRandom(ctx, rng) // land at any moment of an operation
+			if client.kill() {    // not if it finished in the meantime
+				rep.clientKills++
+				if client, err = sc.start(roleClient, clientArgs, nil, nil); err != nil {
+					return nil, err
+				}
+			}
+		}
+	}
+	if err := proxy.Close(); err != nil {
+		return nil, err
+	}
+	if err := server.stop(); err != nil {
+		return nil, fmt.Errorf("server: %w", err)
+	}
+	rep.proxy = proxy.Stats()
+	rep.wall = time.Since(start)
+	return rep, rep.read(f)
+}
+
+// moments returns n progress points, sorted, at which to kill a process:
+// counts of operations done, drawn uniformly from the first four fifths of
+// the run so that the process is still working when its moment comes.
+func moments(rng *rand.Rand, n, ops int) []int {
+	at := make([]int, n)
+	for i := range at {
+		at[i] = 1 + rng.IntN(max(ops*4/5, 1))
+	}
+	slices.Sort(at)
+	return at
+}
+
+// sleepRandom waits up to 10ms, so that a kill lands anywhere in an
+// operation rather than just after one was recorded.
+func sleepRandom(ctx context.Context, rng *rand.Rand) {
+	sleep(ctx, time.Duration(rng.Int64N(int64(10*time.Millisecond))))
+}
+
+// startServer starts a server child on the socket and waits until it serves.
+func (sc *scenario) startServer(ctx context.Context, args []string, sock *os.File) (*child, error) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	defer r.Close()
+	c, err := sc.start(roleServer, args, []*os.File{sock}, w)
+	w.Close()
+	if err != nil {
+		return nil, err
+	}
+	ready := make(chan bool, 1)
+	go func() {
+		line, _ := bufio.NewReader(r).ReadString('\n')
+		ready <- line == "ready\n"
+	}()
+	select {
+	case ok := <-ready:
+		if ok {
+			return c, nil
+		}
+	case <-time.After(sc.serverReadyWait):
+	case <-ctx.Done():
+	}
+	c.kill()
+	r.Close() // ends the reader
+	return nil, errors.New("the server did not start")
+}
+
+// child is a child process of the scenario.
+type child struct {
+	cmd    *exec.Cmd
+	exited chan struct{} // closed when the process has exited; then err is set
+	err    error
+}
+
+// start starts this program in role with args, its stdout to stdout (nil
+// for none), its stderr to the scenario's.
+func (sc *scenario) start(role string, args []string, extra []*os.File, stdout *os.File) (*child, error) {
+	cmd := exec.Command(sc.self, args...)
+	cmd.Env = append(os.Environ(), roleEnv+"="+role)
+	cmd.Stderr = sc.stderr
+	if stdout != nil {
+		cmd.Stdout = stdout
+	}
+	cmd.ExtraFiles = extra
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", role, err)
+	}
+	c := &child{cmd: cmd, exited: make(chan struct{})}
+	go func() {
+		c.err = cmd.Wait()
+		close(c.exited)
+	}()
+	return c, nil
+}
+
+// kill kills the process with SIGKILL, waits for it to be gone, and reports
+// whether it was still running.
+func (c *child) kill() bool {
+	select {
+	case <-c.exited:
+		return false
+	default:
+	}
+	_ = c.cmd.Process.Kill()
+	<-c.exited
+	return true
+}
+
+// stop asks the process to end with SIGINT and waits for it.
+func (c *child) stop() error {
+	select {
+	case <-c.exited:
+		return c.err
+	default:
+	}
+	if err := c.cmd.Process.Signal(os.Interrupt); err != nil {
+		return err
+	}
+	select {
+	case <-c.exited:
+		return c.err
+	case <-time.After(10 * time.Second):
+		c.kill()
+		return errors.New("did not stop within 10s of SIGINT")
+	}
+}
+
+// doneTail follows the client log as it grows and collects the operations
+// recorded done.
+type doneTail struct {
+	path    string
+	off     int64
+	partial []byte
+	done    map[string]bool
+}
+
+func (t *doneTail) read() error {
+	f, err := os.Open(t.path)
+	if os.IsNotExist(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.NewSectionReader(f, t.off, math.MaxInt64-t.off))
+	if err != nil {
+		return err
+	}
+	t.off += int64(len(data))
+	data = append(t.partial, data...)
+	for {
+		i := slices.Index(data, '\n')
+		if i < 0 {
+			break
+		}
+		var op string
+		if _, err := fmt.Sscanf(string(data[:i]), "done %s", &op); err == nil {
+			t.done[op] = true
+		}
+		data = data[i+1:]
+	}
+	t.partial = slices.Clone(data)
+	return nil
+}
+
+// lockedWriter serializes the writes of several goroutines, such as those
+// that copy the children's output.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}

@@ -1,0 +1,216 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/idemhttp/idemhttp"
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// operations returns the ids of the scenario's n operations, in the order
+// they are made.
+func operations(n int) []string {
+	width := len(strconv.Itoa(n))
+	ops := make([]string, n)
+	for i := range ops {
+		ops[i] = fmt.Sprintf("op-%0*d", width, i+1)
+	}
+	return ops
+}
+
+// work is the client child. It opens the key store, drives every operation
+// the key store has pending to a final outcome, then makes the operations
+// that its log does not record as done, with -workers of them at once.
+//
+// An operation is recorded done, durably, once its final response has
+// arrived and before its body is read, which releases its key: so an
+// operation that is not recorded done either still has its key pending or
+// never had one, and sending it with a new key cannot execute it twice.
+// (This order needs a response with a body: the Transport releases the key
+// of a response without one before Do returns.)
+func work(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet(roleClient, flag.ContinueOnError)
+	keysPath := fs.String("keys", "", "the key store file")
+	logPath := fs.String("log", "", "the client log")
+	url := fs.String("url", "", "the server's base URL")
+	n := fs.Int("ops", 0, "number of operations")
+	workers := fs.Int("workers", 1, "operations made at once")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	keys, err := idemhttp.OpenFileKeyStore(*keysPath)
+	if err != nil {
+		return err
+	}
+	defer keys.Close()
+	lines, err := readLines(*logPath)
+	if err != nil {
+		return err
+	}
+	done := make(map[string]bool)
+	for _, l := range lines {
+		if l[0] == "done" && len(l) > 1 {
+			done[l[1]] = true
+		}
+	}
+	log, err := openLineLog(*logPath)
+	if err != nil {
+		return err
+	}
+	defer log.Close()
+
+	w := &worker{log: log, url: *url}
+	w.client = idemhttp.NewClient(
+		idemhttp.WithKeyStore(keys),
+		idemhttp.WithMaxAttempts(6),
+		idemhttp.WithBackoff(idemhttp.FullJitter(5*time.Millisecond, 100*time.Millisecond)),
+		idemhttp.WithAttemptTimeout(time.Second), // ends stalls
+		idemhttp.WithMaxRetryAfter(2*time.Second),
+		idemhttp.WithBreaker(idemhttp.BreakerSettings{OpenTimeout: 200 * time.Millisecond}),
+	)
+	defer w.client.CloseIdleConnections()
+
+	pending, err := keys.Pending(ctx)
+	if err != nil {
+		return err
+	}
+	var first []string
+	resumed := make(map[string]bool)
+	for _, p := range pending {
+		first = append(first, p.Operation)
+		resumed[p.Operation] = true
+	}
+	if err := w.drive(ctx, first, *workers); err != nil {
+		return err
+	}
+	var rest []string
+	for _, op := range operations(*n) {
+		if !done[op] && !resumed[op] {
+			rest = append(rest, op)
+		}
+	}
+	return w.drive(ctx, rest, *workers)
+}
+
+type worker struct {
+	client *http.Client
+	log    *lineLog
+	url    string
+	// failed holds the first error that stopped an operation for good.
+	failed error
+	mu     sync.Mutex
+}
+
+// drive makes the operations ops, n at a time, each until its outcome is
+// final.
+func (w *worker) drive(ctx context.Context, ops []string, n int) error {
+	jobs := make(chan string)
+	var wg sync.WaitGroup
+	for range max(n, 1) {
+		wg.Go(func() {
+			for op := range jobs {
+				if err := w.complete(ctx, op); err != nil {
+					w.mu.Lock()
+					w.failed = errors.Join(w.failed, err)
+					w.mu.Unlock()
+				}
+			}
+		})
+	}
+	for _, op := range ops {
+		if ctx.Err() != nil {
+			break
+		}
+		jobs <- op
+	}
+	close(jobs)
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.failed
+}
+
+// complete sends op until its outcome is final, records it done and only
+// then reads the response, which releases op's key.
+func (w *worker) complete(ctx context.Context, op string) error {
+	for ctx.Err() == nil {
+		resp, err := w.pay(ctx, op)
+		if err != nil {
+			// Retries ran out, or the budget or breaker refused: the key
+			// stays pending and the next call sends it again.
+			sleep(ctx, 50*time.Millisecond)
+			continue
+		}
+		if !final(resp) {
+			drain(resp)
+			sleep(ctx, 50*time.Millisecond)
+			continue
+		}
+		replayed := strconv.FormatBool(resp.Header.Get(idemserver.ReplayedHeader) == "true")
+		err = w.log.append(true, "done", op, strconv.Itoa(resp.StatusCode), replayed)
+		drain(resp)
+		if err != nil {
+			return err
+		}
+		if resp.StatusCode != http.StatusCreated {
+			return fmt.Errorf("%s: final status %s", op, resp.Status)
+		}
+		return nil
+	}
+	return ctx.Err()
+}
+
+// pay sends one call of operation op.
+func (w *worker) pay(ctx context.Context, op string) (*http.Response, error) {
+	ctx = idemhttp.WithOperation(ctx, op)
+	body := fmt.Sprintf(`{"op":%q,"amount":100}`, op)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.url+"/pay/"+op, strings.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	return w.client.Do(req)
+}
+
+// final reports whether resp is an outcome the Transport releases the key
+// of: a 2xx, or a 4xx that is not retried.
+func final(resp *http.Response) bool {
+	switch s := resp.StatusCode; {
+	case s >= 200 && s < 300:
+		return true
+	case s == http.StatusRequestTimeout, s == http.StatusTooEarly, s == http.StatusTooManyRequests:
+		return false
+	case s == http.StatusConflict:
+		return resp.Header.Get("Retry-After") == ""
+	case s >= 300 && s < 400:
+		return s != http.StatusTemporaryRedirect && s != http.StatusPermanentRedirect
+	default:
+		return s >= 400 && s < 500
+	}
+}
+
+func drain(resp *http.Response) {
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}

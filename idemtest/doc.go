@@ -1,0 +1,61 @@
+// Package idemtest checks, in ordinary Go tests, that an HTTP client and a
+// handler stay exactly-once when the network and the server misbehave, as
+// net/http/httptest checks plain HTTP code.
+//
+// # The model
+//
+// A [Server] is an httptest server that puts three layers in front of the
+// handler under test, outermost first:
+//
+//	fault injector → idemserver.Middleware → ledger → handler
+//
+// The fault injector plays an unreliable network and an overloaded server.
+// For each request it decides, from a seed, whether to delay it, and then
+// whether to
+//
+//   - reset the connection before the request goes any further, so the
+//     handler does not run;
+//   - let the request through and reset the connection instead of
+//     answering, so the handler acts but its response is lost: the case that
+//     makes blind retries dangerous;
+//   - answer 503, or 429 with Retry-After, itself, without running the
+//     handler;
+//   - stall: hold the request, unanswered, until the client gives up;
+//   - or let it through untouched.
+//
+// The middleware deduplicates requests by their idempotency key, as it
+// would in production. The ledger, just in front of the handler, counts the
+// handler's executions per idempotency key. An execution is a run of the
+// handler that ended with an outcome the middleware keeps: the handler
+// returned a status below 500 other than 408, 425 and 429. A run that
+// panicked or answered one of those statuses told the client to try again,
+// and the middleware released its key on that word, so it is not counted;
+// a handler that acts and then answers 5xx breaks the contract in a way no
+// ledger outside the handler can see.
+//
+// A client and handler that are exactly-once leave one key per logical
+// operation in the ledger, each executed once, whatever the faults: an
+// operation sent twice with two keys shows as one key too many, and a key
+// executed twice (because the middleware was bypassed, misconfigured or
+// its store forgot the key) as a duplicate. [Server.Executions],
+// [Server.Duplicates] and [Server.AssertExactlyOnce] read the ledger.
+//
+// # Repeatable faults
+//
+// The faults a request meets depend only on the seed, the request's identity
+// and how many requests with that identity the injector saw before it. The
+// identity is the request's idempotency key, or for a request without one
+// its method and URL. Decisions therefore do not depend on how concurrent
+// requests are scheduled: the third attempt with key k meets the same faults
+// in every run with the same seed. Clients make random keys (UUIDv7), so for
+// a run that repeats request for request, give the client a key generator
+// that repeats too (idemhttp.WithKeyGenerator); the rate at which each fault
+// fires is the same either way. The seed is reported by [Server.Seed] and in
+// the failure messages of [Server.AssertExactlyOnce], so a failing run can
+// be repeated with [WithSeed].
+//
+// # Across processes
+//
+// [NewProxy] applies the same faults in a standalone HTTP proxy with its own
+// address, for tests whose client and server are separate processes.
+package idemtest

@@ -1,0 +1,197 @@
+package idemtest
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// Stats counts what a fault injector did, over its whole life.
+type Stats struct {
+	// Requests is the number of requests the injector received.
+	Requests int
+	// Delayed counts the requests delayed by Faults.Latency.
+	Delayed int
+	// ResetBefore, LostResponses, Unavailable, TooManyRequests and Stalled
+	// count the requests that met each fault.
+	ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled int
+	// Replayed counts the responses marked Idempotent-Replayed: true that
+	// came back through the injector, including those it then dropped.
+	Replayed int
+}
+
+// injector is the fault injector: an http.Handler that harms requests as
+// its Faults say before or instead of passing them to next.
+type injector struct {
+	next   http.Handler
+	faults Faults
+	seed   int64
+	header string // the idempotency key's header field, for identities
+	// done ends delays and stalls when the owner closes.
+	done <-chan struct{}
+
+	mu       sync.Mutex
+	closed   bool
+	inFlight sync.WaitGroup // ServeHTTP calls; a hijacked one outlives its server's bookkeeping
+	attempts map[string]uint64
+	stats    Stats
+}
+
+func newInjector(next http.Handler, f Faults, seed int64, header string, done <-chan struct{}) *injector {
+	return &injector{next: next, faults: f, seed: seed, header: header, done: done, attempts: make(map[string]uint64)}
+}
+
+func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	id := identity(r, in.header)
+	in.mu.Lock()
+	if in.closed {
+		in.mu.Unlock()
+		reset(w)
+		return
+	}
+	in.inFlight.Add(1)
+	defer in.inFlight.Done()
+	in.attempts[id]++
+	d := decide(&in.faults, in.seed, id, in.attempts[id])
+	in.stats.Requests++
+	if d.delay > 0 {
+		in.stats.Delayed++
+	}
+	switch d.fault {
+	case faultResetBefore:
+		in.stats.ResetBefore++
+	case faultLoseResponse:
+		in.stats.LostResponses++
+	case faultUnavailable:
+		in.stats.Unavailable++
+	case faultTooManyRequests:
+		in.stats.TooManyRequests++
+	case faultStall:
+		in.stats.Stalled++
+	}
+	in.mu.Unlock()
+
+	if d.delay > 0 && !in.wait(r.Context(), d.delay) {
+		reset(w) // the client gave up, or the server is closing
+		return
+	}
+	switch d.fault {
+	case faultResetBefore:
+		reset(w)
+	case faultLoseResponse:
+		lost := &discardWriter{header: make(http.Header)}
+		in.next.ServeHTTP(lost, r)
+		in.countReplayed(lost.header)
+		reset(w)
+	case faultUnavailable:
+		http.Error(w, "idemtest: injected 503", http.StatusServiceUnavailable)
+	case faultTooManyRequests:
+		secs := (in.faults.RetryAfter + time.Second - 1) / time.Second
+		w.Header().Set("Retry-After", strconv.FormatInt(int64(secs), 10))
+		http.Error(w, "idemtest: injected 429", http.StatusTooManyRequests)
+	case faultStall:
+		// The server notices that the client has gone only once the
+		// request body has been read.
+		_, _ = io.Copy(io.Discard, r.Body)
+		in.wait(r.Context(), -1)
+		reset(w)
+	default:
+		in.next.ServeHTTP(w, r)
+		in.countReplayed(w.Header())
+	}
+}
+
+// wait waits for d, or without end if d is negative, and reports whether
+// it did so before ctx ended or the injector's owner closed.
+func (in *injector) wait(ctx context.Context, d time.Duration) bool {
+	var timeout <-chan time.Time
+	if d >= 0 {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		timeout = t.C
+	}
+	select {
+	case <-timeout:
+		return true
+	case <-ctx.Done():
+	case <-in.done:
+	}
+	return false
+}
+
+func (in *injector) countReplayed(h http.Header) {
+	if h.Get(idemserver.ReplayedHeader) == "true" {
+		in.mu.Lock()
+		in.stats.Replayed++
+		in.mu.Unlock()
+	}
+}
+
+func (in *injector) snapshot() Stats {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.stats
+}
+
+// close refuses requests from now on, with a reset, and waits for those
+// being served to finish. The owner must have closed done first, so that no
+// delay or stall holds close up.
+func (in *injector) close() {
+	in.mu.Lock()
+	in.closed = true
+	in.mu.Unlock()
+	in.inFlight.Wait()
+}
+
+// identity names the logical request r is an attempt of: its idempotency
+// key, or its method and URL if it has none.
+func identity(r *http.Request, header string) string {
+	if key, ok := requestKey(r, header); ok {
+		return "key " + key
+	}
+	return r.Method + " " + r.URL.RequestURI()
+}
+
+// requestKey returns the idempotency key r carries in header, unquoted
+// when it is well formed and as sent otherwise.
+func requestKey(r *http.Request, header string) (string, bool) {
+	values := r.Header.Values(header)
+	if len(values) == 0 {
+		return "", false
+	}
+	key, err := idemserver.ParseKey(values[0])
+	if err != nil {
+		return values[0], true
+	}
+	return key, true
+}
+
+// reset ends the connection under w at once, without an answer: a TCP reset
+// where the connection can be hijacked, an aborted response otherwise.
+func reset(w http.ResponseWriter) {
+	conn, _, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		panic(http.ErrAbortHandler) // HTTP/2: the server resets the stream
+	}
+	if tc, ok := conn.(*net.TCPConn); ok {
+		_ = tc.SetLinger(0) // close with RST, not FIN
+	}
+	_ = conn.Close()
+}
+
+// discardWriter is the ResponseWriter of a request whose response will be
+// lost: it keeps the header fields and throws the rest away.
+type discardWriter struct {
+	header http.Header
+}
+
+func (d *discardWriter) Header() http.Header         { return d.header }
+func (d *discardWriter) Write(p []byte) (int, error) { return len(p), nil }
+func (d *discardWriter) WriteHeader(int)             {}
+func (d *discardWriter) Flush()                      {}

@@ -1,0 +1,98 @@
+package idemtest
+
+import (
+	"maps"
+	"net/http"
+	"slices"
+	"sync"
+)
+
+// ledger counts the executions of the handler behind it, per idempotency
+// key: the runs that ended with an outcome the middleware keeps.
+type ledger struct {
+	next   http.Handler
+	header string
+
+	mu   sync.Mutex
+	runs map[string]int
+}
+
+func newLedger(next http.Handler, header string) *ledger {
+	return &ledger{next: next, header: header, runs: make(map[string]int)}
+}
+
+func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	key, ok := requestKey(r, l.header)
+	if !ok {
+		l.next.ServeHTTP(w, r)
+		return
+	}
+	sw := &statusWriter{ResponseWriter: w}
+	l.next.ServeHTTP(sw, r) // a panic is not an execution, and goes on
+	if kept(sw.status) {
+		l.mu.Lock()
+		l.runs[key]++
+		l.mu.Unlock()
+	}
+}
+
+// kept reports whether the middleware keeps a response with status as the
+// key's outcome; it releases the key after the others, so that a retry
+// runs the handler again.
+func kept(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return status < http.StatusInternalServerError
+}
+
+func (l *ledger) executions() map[string]int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return maps.Clone(l.runs)
+}
+
+func (l *ledger) duplicates() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var dups []string
+	for key, n := range l.runs {
+		if n > 1 {
+			dups = append(dups, key)
+		}
+	}
+	slices.Sort(dups)
+	return dups
+}
+
+// statusWriter notes the status a handler answers with.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 && code >= 200 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(p)
+}
+
+// Flush lets a streaming handler flush through the ledger.
+func (w *statusWriter) Flush() {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	_ = http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+// Unwrap gives http.ResponseController the writer underneath.
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }

@@ -1,0 +1,49 @@
+package idemtest
+
+import "github.com/idemhttp/idemhttp/idemserver"
+
+// An Option configures a [Server].
+type Option func(*config)
+
+type config struct {
+	store      idemserver.Store
+	middleware []idemserver.Option
+	faults     Faults
+	seed       int64
+	seeded     bool
+	header     string
+}
+
+// WithStore sets the store of the server's middleware. By default the server
+// makes an [idemserver.MemoryStore] of its own, which Close closes; a store
+// given here is the caller's to close.
+func WithStore(s idemserver.Store) Option {
+	return func(c *config) { c.store = s }
+}
+
+// WithFaults sets the faults the server injects. The default is none.
+func WithFaults(f Faults) Option {
+	return func(c *config) { c.faults = f }
+}
+
+// WithSeed sets the seed the faults are drawn from; the same seed gives the
+// same faults (see the package documentation). By default the seed is
+// random; [Server.Seed] reports it either way.
+func WithSeed(seed int64) Option {
+	return func(c *config) { c.seed, c.seeded = seed, true }
+}
+
+// WithMiddleware sets options of the server's idemserver.Middleware, such
+// as idemserver.RequireKey or idemserver.WithLease. Set the key's header
+// field with [WithKeyHeader] instead of idemserver.WithKeyHeader, which
+// would be overridden, so that the ledger and the client use it too.
+func WithMiddleware(opts ...idemserver.Option) Option {
+	return func(c *config) { c.middleware = append(c.middleware, opts...) }
+}
+
+// WithKeyHeader sets the header field that carries the idempotency key, for
+// the middleware, the ledger, the fault injector and [Server.Client]. An
+// empty name means idemserver.DefaultKeyHeader.
+func WithKeyHeader(name string) Option {
+	return func(c *config) { c.header = name }
+}

@@ -1,0 +1,136 @@
+package idemtest
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/idemhttp/idemhttp"
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// A Server is an httptest server that serves a handler behind
+// idemserver.Middleware, a ledger of the handler's executions and a fault
+// injector; see the package documentation for the model.
+type Server struct {
+	// URL is the base URL of the server, of the form http://ipaddr:port,
+	// with no trailing slash.
+	URL string
+
+	ts       *httptest.Server
+	injector *injector
+	ledger   *ledger
+	seed     int64
+	header   string
+	ownStore *idemserver.MemoryStore // made here, closed by Close
+
+	done      chan struct{}
+	closeOnce sync.Once
+}
+
+// NewServer starts and returns a Server that serves h behind the
+// middleware, the ledger and the fault injector. The caller must Close it.
+// NewServer panics, like httptest.NewServer, if it cannot listen, and if
+// the faults set by [WithFaults] are invalid ([ErrInvalidFaults]).
+func NewServer(h http.Handler, opts ...Option) *Server {
+	var cfg config
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if err := cfg.faults.validate(); err != nil {
+		panic(err)
+	}
+	if !cfg.seeded {
+		cfg.seed = rand.Int64()
+	}
+	if cfg.header == "" {
+		cfg.header = idemserver.DefaultKeyHeader
+	}
+	s := &Server{seed: cfg.seed, header: cfg.header, done: make(chan struct{})}
+	store := cfg.store
+	if store == nil {
+		s.ownStore = idemserver.NewMemoryStore()
+		store = s.ownStore
+	}
+	s.ledger = newLedger(h, cfg.header)
+	mw := idemserver.Middleware(store, append(cfg.middleware, idemserver.WithKeyHeader(cfg.header))...)
+	s.injector = newInjector(mw(s.ledger), cfg.faults, cfg.seed, cfg.header, s.done)
+	s.ts = httptest.NewServer(s.injector)
+	s.URL = s.ts.URL
+	return s
+}
+
+// Seed returns the seed the server's faults are drawn from.
+func (s *Server) Seed() int64 { return s.seed }
+
+// Client returns an http.Client whose Transport is an idemhttp.Transport,
+// configured by opts, over a base transport that reaches the server. The
+// server closes the base transport's idle connections when it closes.
+//
+// The client has idemhttp's defaults, with their retry budget and circuit
+// breaker; a test that injects many faults may want more attempts, and one
+// that injects stalls needs idemhttp.WithAttemptTimeout, or a stalled
+// attempt lasts as long as the request's context.
+func (s *Server) Client(opts ...idemhttp.Option) *http.Client {
+	opts = append([]idemhttp.Option{idemhttp.WithKeyHeader(s.header)}, opts...)
+	return &http.Client{Transport: idemhttp.NewTransport(s.ts.Client().Transport, opts...)}
+}
+
+// Executions returns how many times the handler executed, per idempotency
+// key: the runs that ended with an outcome the middleware keeps (see the
+// package documentation). Requests without a key are not counted. The map is
+// a copy.
+func (s *Server) Executions() map[string]int { return s.ledger.executions() }
+
+// Duplicates returns the idempotency keys the handler executed more than
+// once, sorted. It is empty when the server kept its promise.
+func (s *Server) Duplicates() []string { return s.ledger.duplicates() }
+
+// Stats returns the counts of what the fault injector did.
+func (s *Server) Stats() Stats { return s.injector.snapshot() }
+
+// AssertExactlyOnce checks that the handler executed exactly operations
+// keys, each once: no key twice (a duplicate execution), and no more keys
+// than operations (an operation sent with a second key) nor fewer (an
+// operation never executed). On failure it reports, through t.Errorf, the
+// offending keys and the seed, and returns false.
+func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
+	t.Helper()
+	runs := s.Executions()
+	var problems []string
+	if dups := s.Duplicates(); len(dups) > 0 {
+		parts := make([]string, len(dups))
+		for i, k := range dups {
+			parts[i] = fmt.Sprintf("%s (%d executions)", k, runs[k])
+		}
+		problems = append(problems, fmt.Sprintf("%d keys executed more than once: %s",
+			len(dups), strings.Join(parts, ", ")))
+	}
+	if len(runs) != operations {
+		problems = append(problems, fmt.Sprintf("%d keys executed, want one for each of %d operations",
+			len(runs), operations))
+	}
+	if len(problems) == 0 {
+		return true
+	}
+	t.Errorf("idemtest: not exactly once (seed %d): %s", s.seed, strings.Join(problems, "; "))
+	return false
+}
+
+// Close ends the injected stalls and delays, waits for the requests being
+// served to finish, shuts the server down and closes the store it made.
+// Close is idempotent.
+func (s *Server) Close() {
+	s.closeOnce.Do(func() {
+		close(s.done)
+		s.ts.Close()
+		s.injector.close()
+		if s.ownStore != nil {
+			_ = s.ownStore.Close()
+		}
+	})
+}
