@@ -360,3 +360,36 @@ func TestRenewedLeaseNotTakenOver(t *testing.T) {
 		assert.EqualValues(t, 1, h.calls.Load(), "one execution")
 	})
 }
+
+// TestSlowRenewalKeepsLease makes an extension take most of a lease to
+// succeed, as a store under load may: the lease it gives lasts from when it
+// was sent, so the next extension must follow in time, and the live
+// handler keeps running with its context intact.
+func TestSlowRenewalKeepsLease(t *testing.T) {
+	for _, slow := range []time.Duration{testLease / 3, 7 * testLease / 10, 9 * testLease / 10} {
+		t.Run(slow.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				store := newStubStore()
+				var extensions atomic.Int64
+				store.extend = func(ctx context.Context, k Key, token string, expires time.Time) error {
+					extensions.Add(1)
+					if err := ctx.Err(); err != nil {
+						return err // too late to send
+					}
+					// Sent in time; applied and reported only later.
+					time.Sleep(slow)
+					return store.MemoryStore.Extend(context.WithoutCancel(ctx), k, token, expires)
+				}
+				h := newRunFor(5*testLease, false)
+				mw := Middleware(store, WithLease(testLease))(h)
+				w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				if c := h.cause.Load(); c != nil {
+					t.Fatalf("the handler's context ended: %v", *c)
+				}
+				assert.Equal(t, http.StatusCreated, w.Code)
+				assert.Equal(t, "call 1", w.Body.String())
+				assert.Greater(t, extensions.Load(), int64(3))
+			})
+		})
+	}
+}
