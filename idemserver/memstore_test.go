@@ -82,10 +82,11 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 			require.NoError(t, err)
 			assert.False(t, res.Claimed)
 			assert.Equal(t, c.Token, res.Record.Token)
-			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "new", Now: now}, c.Token)
+			ended := c.LeaseExpires
+			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "new", Now: ended, LeaseExpires: ended.Add(time.Minute)}, c.Token)
 			require.NoError(t, err)
 			assert.True(t, res.Claimed)
-			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "newer", Now: now}, c.Token)
+			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "newer", Now: ended.Add(time.Hour)}, c.Token)
 			require.NoError(t, err)
 			assert.False(t, res.Claimed, "a second takeover of the same lease")
 			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, &Response{}, now), ErrLeaseLost)

@@ -57,7 +57,7 @@ func (s *mapStore) claim(name string, c PackedClaim) (PackedClaimResult, error) 
 	s.calls[name]++
 	r := s.records[c.Key]
 	if r != nil && (r.data == nil || c.Now.Before(r.rec.Expires)) &&
-		!(c.TakeOver && r.data == nil && r.rec.Token == c.ExpiredToken) {
+		!(c.TakeOver && r.data == nil && r.rec.Token == c.ExpiredToken && !c.Now.Before(r.rec.LeaseExpires)) {
 		res := PackedClaimResult{ClaimResult: ClaimResult{Record: r.rec}}
 		if r.data != nil {
 			p, err := ParsePackedResponse(string(r.data))
