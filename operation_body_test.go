@@ -188,7 +188,9 @@ func TestOperationKeyReleasedOnce(t *testing.T) {
 
 // Close may be called while another goroutine is reading the body, as the
 // http.Response contract allows: a read that fails because of the Close
-// does not count as a read error, and the key is released, once.
+// does not count as a read error, and the key is released, once. The Close
+// comes only once the reader is inside a read that cannot return, since
+// the server holds the rest of the body back.
 func TestOperationKeyCloseDuringRead(t *testing.T) {
 	for range 20 {
 		sent, hold := make(chan struct{}), make(chan struct{})
@@ -201,23 +203,51 @@ func TestOperationKeyCloseDuringRead(t *testing.T) {
 			<-hold
 		})
 		store := &countingStore{MemoryKeyStore: NewMemoryKeyStore()}
-		tr := NewTransport(newBaseTransport(t), WithKeyStore(store))
+		entered := make(chan struct{})
+		base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			resp, err := newBaseTransport(t).RoundTrip(r)
+			if err == nil {
+				resp.Body = &enteringBody{ReadCloser: resp.Body, after: len("partial"), entered: entered}
+			}
+			return resp, err
+		})
+		tr := NewTransport(base, WithKeyStore(store))
 		resp, err := tr.RoundTrip(post(t, WithOperation(context.Background(), "op"), srv.URL, "x"))
 		require.NoError(t, err)
 		<-sent
 
 		var wg sync.WaitGroup
-		wg.Go(func() { _, _ = io.ReadAll(resp.Body) })
-		wg.Go(func() { resp.Body.Close() })
+		var readErr error
+		wg.Go(func() { _, readErr = io.ReadAll(resp.Body) })
+		<-entered
+		require.NoError(t, resp.Body.Close())
 		wg.Wait()
 		close(hold)
 		srv.Close()
 
-		// The server held the connection open throughout, so the read
-		// could fail only because of the Close.
+		require.Error(t, readErr, "the read was blocked, and the Close ended it")
 		assert.Equal(t, int32(1), store.releases.Load())
 		assert.Empty(t, pendingKeys(t, store))
 	}
+}
+
+// enteringBody closes entered when a Read starts after the first after
+// bytes have been read: the bytes the server sent before holding the rest.
+type enteringBody struct {
+	io.ReadCloser
+	after   int
+	read    int
+	entered chan struct{}
+}
+
+func (b *enteringBody) Read(p []byte) (int, error) {
+	if b.read >= b.after && b.entered != nil {
+		close(b.entered)
+		b.entered = nil
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.read += n
+	return n, err
 }
 
 // A 201 whose body is cut in transit does not end the operation: the

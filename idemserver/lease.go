@@ -17,8 +17,8 @@ var ErrMaxHoldExceeded = errors.New("idemserver: handler held its key past the m
 // A leaseKeeper extends the lease of a claimed key while its handler runs,
 // so that a live handler is never taken to be a crashed one.
 //
-// It wakes a third of a lease after each extension and extends the lease to
-// one lease past the middleware's clock. An extension that fails for a
+// It wakes a third of a lease after sending each extension and extends the
+// lease to one lease past the middleware's clock. An extension that fails for a
 // reason other than a lost lease or a closed store is tried again a
 // twentieth of a lease later (at most a second), for as long as the current
 // lease has not ended. The keeper gives up, and cancels the
@@ -97,8 +97,11 @@ func (k *leaseKeeper) renew() {
 	}
 	switch {
 	case err == nil:
+		// The new lease runs from when the extension was sent, so the
+		// next one is due a third of a lease after that, not after the
+		// answer: a slow store must not make it late.
 		k.leaseEnd = now.Add(cfg.lease)
-		k.timer.Reset(min(renewEvery(cfg.lease), time.Until(k.holdEnd)))
+		k.timer.Reset(min(time.Until(now.Add(renewEvery(cfg.lease))), time.Until(k.holdEnd)))
 	case errors.Is(err, ErrLeaseLost):
 		k.giveUpLocked(fmt.Errorf("idemserver: extending the lease: %w", err))
 	case errors.Is(err, ErrClosed):

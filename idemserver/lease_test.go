@@ -321,3 +321,75 @@ func TestMaxHoldHandlerGivesUp(t *testing.T) {
 		assert.Equal(t, "call 2", retry.Body.String(), "the claim was released")
 	})
 }
+
+// TestRenewedLeaseNotTakenOver lets a renewal that the keeper sent before
+// the lease ended reach the store only after a duplicate has seen the
+// lease ended, and before the duplicate's takeover: as when the store is
+// slow to take its lock or a round trip is in flight. The renewal
+// succeeded, so the handler is live and keeps running, its context intact;
+// the takeover must not replace its lease, or two handlers run at once for
+// one key while the first believes it still holds it.
+func TestRenewedLeaseNotTakenOver(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := newStubStore()
+		proceed, landed := make(chan struct{}), make(chan struct{})
+		var extensions atomic.Int64
+		store.extend = func(ctx context.Context, k Key, token string, expires time.Time) error {
+			if extensions.Add(1) > 1 {
+				return store.MemoryStore.Extend(ctx, k, token, expires)
+			}
+			// Sent in time; applied, and reported, only later.
+			<-proceed
+			defer close(landed)
+			return store.MemoryStore.Extend(context.WithoutCancel(ctx), k, token, expires)
+		}
+		store.takeOver = func(ctx context.Context, c Claim, expired string) (ClaimResult, error) {
+			close(proceed)
+			<-landed
+			return store.MemoryStore.TakeOver(ctx, c, expired)
+		}
+		h := newRunFor(3*testLease, false)
+		mw := Middleware(store, WithLease(testLease))(h)
+		first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+
+		time.Sleep(testLease + testLease/10) // past the lease the duplicate sees
+		w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+
+		<-first
+		assert.EqualValues(t, 1, h.calls.Load(), "one execution")
+	})
+}
+
+// TestSlowRenewalKeepsLease makes an extension take most of a lease to
+// succeed, as a store under load may: the lease it gives lasts from when it
+// was sent, so the next extension must follow in time, and the live
+// handler keeps running with its context intact.
+func TestSlowRenewalKeepsLease(t *testing.T) {
+	for _, slow := range []time.Duration{testLease / 3, 7 * testLease / 10, 9 * testLease / 10} {
+		t.Run(slow.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				store := newStubStore()
+				var extensions atomic.Int64
+				store.extend = func(ctx context.Context, k Key, token string, expires time.Time) error {
+					extensions.Add(1)
+					if err := ctx.Err(); err != nil {
+						return err // too late to send
+					}
+					// Sent in time; applied and reported only later.
+					time.Sleep(slow)
+					return store.MemoryStore.Extend(context.WithoutCancel(ctx), k, token, expires)
+				}
+				h := newRunFor(5*testLease, false)
+				mw := Middleware(store, WithLease(testLease))(h)
+				w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				if c := h.cause.Load(); c != nil {
+					t.Fatalf("the handler's context ended: %v", *c)
+				}
+				assert.Equal(t, http.StatusCreated, w.Code)
+				assert.Equal(t, "call 1", w.Body.String())
+				assert.Greater(t, extensions.Load(), int64(3))
+			})
+		})
+	}
+}

@@ -211,7 +211,9 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 		switch {
 		case e.completed && e.expires <= now:
 			sh.remove(i)
-		case c.TakeOver && !e.completed && e.token == c.ExpiredToken:
+		case c.TakeOver && !e.completed && e.token == c.ExpiredToken && !c.Now.Before(e.leaseExpires):
+			// An extension may have landed since the caller saw the
+			// lease ended: then its holder is live and keeps it.
 			if c.NewToken != nil {
 				c.Token = c.NewToken()
 			}

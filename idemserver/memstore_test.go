@@ -82,10 +82,11 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 			require.NoError(t, err)
 			assert.False(t, res.Claimed)
 			assert.Equal(t, c.Token, res.Record.Token)
-			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "new", Now: now}, c.Token)
+			ended := c.LeaseExpires
+			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "new", Now: ended, LeaseExpires: ended.Add(time.Minute)}, c.Token)
 			require.NoError(t, err)
 			assert.True(t, res.Claimed)
-			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "newer", Now: now}, c.Token)
+			res, err = s.TakeOver(ctx, Claim{Key: c.Key, Token: "newer", Now: ended.Add(time.Hour)}, c.Token)
 			require.NoError(t, err)
 			assert.False(t, res.Claimed, "a second takeover of the same lease")
 			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, &Response{}, now), ErrLeaseLost)
@@ -103,6 +104,20 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 			assert.ErrorIs(t, s.Extend(ctx, Key{Key: "absent"}, c.Token, later), ErrLeaseLost)
 			require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 200}, now.Add(time.Hour)))
 			assert.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, later), ErrLeaseLost, "a completed record has no lease")
+		}},
+		{"takeover never replaces a lease that has not ended", func(t *testing.T, s *MemoryStore) {
+			c := testClaim("k", now)
+			_, _ = s.Claim(ctx, c)
+			ended := c.LeaseExpires
+			// A duplicate saw the lease ended at ended; the holder's
+			// extension lands before the duplicate's takeover.
+			require.NoError(t, s.Extend(ctx, c.Key, c.Token, ended.Add(time.Minute)))
+			res, err := s.TakeOver(ctx, Claim{Key: c.Key, Token: "new", Now: ended}, c.Token)
+			require.NoError(t, err)
+			assert.False(t, res.Claimed, "the lease was extended")
+			assert.Equal(t, c.Token, res.Record.Token)
+			assert.Equal(t, ended.Add(time.Minute), res.Record.LeaseExpires)
+			assert.NoError(t, s.Extend(ctx, c.Key, c.Token, ended.Add(2*time.Minute)), "the holder keeps its lease")
 		}},
 		{"takeover of an absent key claims it", func(t *testing.T, s *MemoryStore) {
 			res, err := s.TakeOver(ctx, testClaim("k", now), "gone")

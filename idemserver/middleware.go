@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"strconv"
@@ -292,6 +293,12 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			return
 		case !res.Response.IsZero():
 			p := res.Response.view()
+			if !replayableStatus(p.status) {
+				// Damaged, or not a response at all: fail closed rather
+				// than crash or replay it as something else.
+				err = fmt.Errorf("idemserver: the store returned a response with status %d, which no handler answers", p.status)
+				continue
+			}
 			p.replay(w)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReplayed, Status: p.status})
 			return

@@ -160,7 +160,7 @@ func (p PackedResponse) view() packed {
 // checkPacked reports what is wrong with data as a packed response.
 func checkPacked(data string) error {
 	status, n := uvarint(data)
-	if n <= 0 || status < 100 || status > 999 {
+	if n <= 0 || status > 999 || !replayableStatus(int(status)) {
 		return errors.New("bad status")
 	}
 	data = data[n:]
@@ -188,6 +188,14 @@ func checkPacked(data string) error {
 		}
 	}
 	return nil
+}
+
+// replayableStatus reports whether a stored response may have status: one
+// the recorder stores, a final status or 101 (interim ones go to the client
+// at once). A replay of any other would panic in WriteHeader or, for a 1xx,
+// reach the client as an interim response followed by a 200.
+func replayableStatus(status int) bool {
+	return status == http.StatusSwitchingProtocols || status >= 200 && status <= 999
 }
 
 // cutPacked reads from s a uvarint length and that many bytes, and returns

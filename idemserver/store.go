@@ -29,8 +29,9 @@ import (
 // still in progress after that belonged to a handler that crashed, or that
 // held its key past the middleware's maximum hold, and the middleware takes
 // it over with [Store.TakeOver], a compare-and-set on the expired lease
-// token: of several requests trying to take over the same lease, only one
-// succeeds.
+// token and on the lease's end: of several requests trying to take over the
+// same lease, only one succeeds, and none does once the lease has been
+// extended.
 //
 // # One round trip
 //
@@ -53,9 +54,10 @@ import (
 //
 // If a concurrent claim committed after the statement took its snapshot,
 // neither half returns a row and the store runs the statement again.
-// TakeOver is the same statement with "token = $7 AND response IS NULL"
-// in place of the expiry test; Complete and Release are an UPDATE and a
-// DELETE whose WHERE clause names the lease token.
+// TakeOver is the same statement with "token = $7 AND response IS NULL
+// AND lease_expires <= $6" in place of the expiry test; Complete and
+// Release are an UPDATE and a DELETE whose WHERE clause names the lease
+// token.
 //
 // # Transactions
 //
@@ -88,8 +90,11 @@ type Store interface {
 	Claim(ctx context.Context, c Claim) (ClaimResult, error)
 
 	// TakeOver is Claim, except that an in-progress record whose lease token
-	// is expiredToken is replaced as if it were absent. The middleware calls
-	// it only for a lease that has expired and a record with c's fingerprint.
+	// is expiredToken, and whose lease has ended at c.Now, is replaced as if
+	// it were absent. The middleware calls it only for a lease it saw
+	// expired and a record with c's fingerprint; the store checks the lease
+	// again, since an extension may have landed in between, and then the
+	// record stays with its holder.
 	TakeOver(ctx context.Context, c Claim, expiredToken string) (ClaimResult, error)
 
 	// Complete stores resp as the outcome of the in-progress record of key,

@@ -3,7 +3,10 @@ package idemserver
 import (
 	"context"
 	"errors"
+	"io"
 	"net/http"
+	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -170,4 +173,43 @@ func TestStoreContextReachesHandler(t *testing.T) {
 	require.NotNil(t, completeCtx)
 	assert.Equal(t, "tx-1", completeCtx.Value(txKey{}))
 	assert.NoError(t, completeCtx.Err())
+}
+
+// TestDamagedStoredResponse has the store hand back a completed record whose
+// status no handler could have answered, as a store whose data was damaged
+// or mis-decoded would: the middleware must not crash on it, nor replay it
+// as something else (net/http sends a 1xx as an interim response and then
+// an empty 200, a success the handler never gave). It fails closed, as for
+// a store it cannot read, and the handler does not run.
+func TestDamagedStoredResponse(t *testing.T) {
+	fp := fingerprint(http.MethodPost, "/x", "", []byte("b"))
+	for _, status := range []int{0, -1, 100, 103, 199, 1000, 1 << 40} {
+		t.Run(strconv.Itoa(status), func(t *testing.T) {
+			store := newStubStore()
+			store.claim = func(context.Context, Claim) (ClaimResult, error) {
+				return ClaimResult{Record: Record{Fingerprint: fp,
+					Response: &Response{Status: status, Body: []byte("paid")}}}, nil
+			}
+			var log eventLog
+			h := &countingHandler{}
+			srv := httptest.NewServer(Middleware(store, WithObserver(log.observe))(h))
+			defer srv.Close()
+			req, err := http.NewRequest(http.MethodPost, srv.URL+"/x", strings.NewReader("b"))
+			require.NoError(t, err)
+			req.Header.Set(DefaultKeyHeader, "k")
+			resp, err := srv.Client().Do(req)
+			require.NoError(t, err, "the server answered")
+			body, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			require.NoError(t, err)
+			assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode, "body: %s", body)
+			assert.Equal(t, "application/problem+json", resp.Header.Get("Content-Type"))
+			assert.NotEmpty(t, resp.Header.Get("Retry-After"))
+			assert.Zero(t, h.calls.Load(), "the handler did not run")
+			events := log.all()
+			require.Len(t, events, 1)
+			assert.Equal(t, OutcomeUnavailable, events[0].Outcome)
+			assert.Error(t, events[0].Err)
+		})
+	}
 }
