@@ -183,11 +183,11 @@ func readBounded(body io.ReadCloser) (buf []byte, ok bool) {
 // the operation's key once the outcome has reached the caller.
 //
 // The key is released when a read reaches the end of the body, or when the
-// body is closed before any read failed; a read that fails (the connection
-// cut, the attempt timeout ending the read) keeps it pending, and so does
-// a Close after such a read. Whichever of these comes first decides, once:
-// a Close that races with a blocked Read decides before the Read fails
-// because of it.
+// body is closed with no read failed and none in progress. A read that
+// fails (the connection cut, the attempt timeout ending the read) keeps it
+// pending, and so does a Close that interrupts a Read: a watchdog closing a
+// stalled body has not seen the outcome either. Whichever of these comes
+// first decides, once.
 type responseBody struct {
 	io.ReadCloser
 	cancel context.CancelFunc // ends the attempt's context
@@ -197,19 +197,27 @@ type responseBody struct {
 	t              *Transport
 	ctx            context.Context
 	operation, key string
-	decided        atomic.Bool // the key was released or is kept
+	reading        atomic.Int32 // Reads in progress
+	decided        atomic.Bool  // the key was released or is kept
 }
 
 func (b *responseBody) Read(p []byte) (int, error) {
+	if b.operation == "" {
+		return b.ReadCloser.Read(p)
+	}
+	b.reading.Add(1)
 	n, err := b.ReadCloser.Read(p)
-	if err != nil && b.operation != "" && b.decided.CompareAndSwap(false, true) && err == io.EOF {
+	b.reading.Add(-1)
+	if err != nil && b.decided.CompareAndSwap(false, true) && err == io.EOF {
 		b.t.releaseKey(b.ctx, b.operation, b.key)
 	}
 	return n, err
 }
 
 func (b *responseBody) Close() error {
-	release := b.operation != "" && b.decided.CompareAndSwap(false, true)
+	// A Close while a Read is blocked decides before that Read fails
+	// because of it: the key is kept.
+	release := b.operation != "" && b.decided.CompareAndSwap(false, true) && b.reading.Load() == 0
 	err := b.ReadCloser.Close()
 	b.cancel()
 	if release {

@@ -12,8 +12,8 @@ type operationKey struct{}
 // the operation is retried later or after a restart.
 //
 // The key is released when the operation's final response has been
-// received: its body read to the end, or closed before a read of it
-// failed (see [Transport]). Until then, including when the response body
+// received: its body read to the end, or closed with no read of it failed
+// or in progress (see [Transport]). Until then, including when the response body
 // is lost in transit, a call with the same id sends the same key again.
 func WithOperation(ctx context.Context, id string) context.Context {
 	return context.WithValue(ctx, operationKey{}, id)

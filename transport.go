@@ -26,8 +26,9 @@ import (
 // A request whose context names an operation ([WithOperation]) takes its
 // key from the [KeyStore], and the key is released only once the
 // operation's final outcome has reached the caller in full: when the
-// response body has been read to its end, or closed before any read of it
-// failed. A response without a body (to HEAD, a 204, a 304, an empty one)
+// response body has been read to its end, or closed with no read of it
+// failed or in progress (a Close that interrupts a blocked Read keeps the
+// key, as the caller has not seen the outcome). A response without a body (to HEAD, a 204, a 304, an empty one)
 // releases it before RoundTrip returns. A body whose read fails (the
 // connection cut, the attempt timeout ending the read) leaves the key
 // pending even once it is closed, so that calling again with the same
