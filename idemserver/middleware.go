@@ -83,7 +83,11 @@ import (
 //
 // A handler that flushes ([http.Flusher] or [http.ResponseController])
 // lets its response through at once, to stream it; it is still stored when
-// the handler returns, but the client may see it before that. Hijacking the
+// the handler returns, but the client may see it before that. Once its
+// status has been flushed it is the outcome: a streaming handler that then
+// gives up (its context ended) without acting has its status stored and
+// replayed all the same, so a handler must flush only what it has done.
+// Hijacking the
 // connection of a keyed request is refused with an error wrapping
 // [http.ErrNotSupported].
 //
