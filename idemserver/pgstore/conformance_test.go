@@ -1,0 +1,18 @@
+package pgstore
+
+import (
+	"testing"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+	"github.com/idemhttp/idemhttp/idemserver/storetest"
+)
+
+func TestLeaseConformance(t *testing.T) {
+	db := newTestDB(t, 20)
+	storetest.Run(t, func(t *testing.T) idemserver.Store { return db.newStore(t) })
+}
+
+func TestLeaseHTTPConformance(t *testing.T) {
+	db := newTestDB(t, 20)
+	storetest.RunHTTP(t, func(t *testing.T) idemserver.Store { return db.newStore(t) })
+}
