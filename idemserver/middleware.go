@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"io"
+	"maps"
 	"net/http"
 	"strconv"
 	"sync/atomic"
@@ -48,13 +49,17 @@ import (
 //
 // A handler that flushes ([http.Flusher] or [http.ResponseController])
 // lets its response through at once, to stream it; it is still stored when
-// the handler returns, but the client may see it before that. Hijacking the
-// connection of a keyed request is refused with an error wrapping
-// [http.ErrNotSupported]. When the store fails to keep a response the
-// handler produced, the client still gets the response and the observer
-// (see [WithObserver]) gets the error; the record stays in progress until
-// its lease expires. Only when a transactional store reports [ErrRolledBack]
-// is the response replaced by 503, since nothing the handler did was kept.
+// the handler returns, but the client may see it before that. A store that
+// implements [ResponseHolder] turns this off: then nothing reaches the
+// client before Complete returns. Hijacking the connection of a keyed
+// request is refused with an error wrapping [http.ErrNotSupported]. When
+// the store fails to keep a response the handler produced, the client still
+// gets the response and the observer (see [WithObserver]) gets the error;
+// the record stays in progress until its lease expires. Only when a
+// transactional store reports [ErrRolledBack] or [ErrOutcomeUnknown] is the
+// response replaced by 503, since nothing the handler did was kept, or may
+// not have been; and when it reports [ErrRetryRequest] the request runs
+// again from the claim on, up to [MaxReruns] times.
 func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	if store == nil {
 		store = NewMemoryStore()
@@ -65,8 +70,10 @@ func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	// recorder's fields and body go into the store without first becoming
 	// a Response, and a replay is written from the stored string.
 	mem, _ := store.(*MemoryStore)
+	holder, ok := store.(ResponseHolder)
+	hold := ok && holder.HoldResponses()
 	return func(next http.Handler) http.Handler {
-		return &handler{next: next, store: store, mem: mem, cfg: cfg, tokens: tokens}
+		return &handler{next: next, store: store, mem: mem, hold: hold, cfg: cfg, tokens: tokens}
 	}
 }
 
@@ -152,6 +159,7 @@ type handler struct {
 	next   http.Handler
 	store  Store
 	mem    *MemoryStore // store, if it is a MemoryStore
+	hold   bool         // hold every response until Complete returns; see ResponseHolder
 	cfg    *config
 	tokens *tokenSource
 }
@@ -219,7 +227,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	res, stored, ref, err := m.claimIn(ctx, &c, false, "")
 	var waited time.Duration
 	poll := firstPoll
-	takeOvers := 0
+	takeOvers, reruns := 0, 0
 	for {
 		switch {
 		case err != nil:
@@ -228,7 +236,13 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			m.run(w, r, key, c.Token, ref, res.Context, bufs)
+			if m.run(w, r, key, c.Token, ref, res.Context, bufs, reruns < MaxReruns) {
+				// The store discarded the attempt and asked for another.
+				reruns++
+				c = newClaim()
+				res, stored, ref, err = m.claimIn(ctx, &c, false, "")
+				continue
+			}
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
@@ -287,8 +301,11 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 	return res, stored, memRef{}, err
 }
 
-// run serves a claimed request and stores or releases its outcome.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, ref memRef, storeCtx context.Context, bufs *buffers) {
+// run serves a claimed request and stores or releases its outcome. When the
+// store asks for the request to run again (see [ErrRetryRequest]) and
+// mayRerun is set, it sends nothing, leaves w's header as it found it, and
+// reports true.
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, ref memRef, storeCtx context.Context, bufs *buffers, mayRerun bool) (rerun bool) {
 	// The handler's body and ResponseWriter, in one allocation.
 	x := &struct {
 		body bodyReader
@@ -296,7 +313,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	}{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: m.cfg.maxResponse, allow: m.cfg.replayHeaders,
-			fields: bufs.fields, body: bufs.respBody},
+			fields: bufs.fields, body: bufs.respBody, hold: m.hold},
 	}
 	rec := &x.rec
 	defer rec.release(bufs)
@@ -311,6 +328,24 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	}
 	// The outcome must be recorded even when the client has gone.
 	storeCtx = context.WithoutCancel(storeCtx)
+	// A held response may be discarded, for a rerun or a 503: keep the
+	// fields set before the handler ran, to start again from them.
+	var outer http.Header
+	if m.hold {
+		outer = w.Header().Clone()
+	}
+	restore := func() {
+		h := w.Header()
+		clear(h)
+		maps.Copy(h, outer)
+	}
+	again := func(err error) bool {
+		if !mayRerun || outer == nil || rec.streaming || !errors.Is(err, ErrRetryRequest) {
+			return false
+		}
+		restore()
+		return true
+	}
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on
@@ -324,9 +359,12 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 
 	if released(rec.status) {
 		err := m.store.Release(storeCtx, key, token)
+		if again(err) {
+			return true
+		}
 		rec.deliver()
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status, Err: err})
-		return
+		return false
 	}
 	expires := m.cfg.now().Add(m.cfg.ttl)
 	var err error
@@ -335,15 +373,25 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	} else {
 		err = m.store.Complete(storeCtx, key, token, rec.response(), expires)
 	}
-	if errors.Is(err, ErrRolledBack) && !rec.streaming {
-		clear(w.Header())
-		writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable,
-			"the outcome could not be kept and was rolled back; the request was not processed", m.cfg.retryAfter)
+	if again(err) {
+		return true
+	}
+	if (errors.Is(err, ErrRolledBack) || errors.Is(err, ErrOutcomeUnknown) || errors.Is(err, ErrRetryRequest)) && !rec.streaming {
+		// Nothing the handler did was kept, or no one can tell yet: the
+		// client must not take the handler's response as the outcome.
+		// The claim is not released; the retry learns from the store.
+		restore()
+		detail := "the outcome could not be kept and was rolled back; the request was not processed"
+		if errors.Is(err, ErrOutcomeUnknown) {
+			detail = "whether the outcome was kept is not known; retry the same request to learn it"
+		}
+		writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable, detail, m.cfg.retryAfter)
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
-		return
+		return false
 	}
 	rec.deliver()
 	m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: err})
+	return false
 }
 
 // released reports whether a response with status ends its claim with a

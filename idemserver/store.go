@@ -62,12 +62,19 @@ import (
 // carries it in [ClaimResult.Context]. The middleware then serves the
 // handler with that context, so the handler can do its own writes in the
 // transaction, and passes the same context (without its cancellation) to
-// Complete or Release, which commit or roll back. Such a store holds the row
-// lock of the uncommitted claim until then, so concurrent claims of the same
-// key wait for the first to finish instead of seeing it in progress. When the
-// commit in Complete fails, the store returns an error wrapping
-// [ErrRolledBack], and the middleware replaces the handler's response with
-// 503, since nothing the handler did was kept.
+// Complete or Release, which commit or roll back. Such a store implements
+// [ResponseHolder], so that no response reaches the client before the
+// commit. A concurrent claim of a key whose claim is not committed yet must
+// not wait for it without bound: the store reports the key in progress (a
+// record whose fingerprint is the claimant's own and whose lease has not
+// ended, since the uncommitted one cannot be read). When the commit in
+// Complete fails, the store returns an error wrapping [ErrRolledBack], and
+// the middleware replaces the handler's response with 503, since nothing
+// the handler did was kept; when the store cannot tell whether the commit
+// succeeded, an error wrapping [ErrOutcomeUnknown], which the middleware
+// answers with 503 too, without releasing the claim. An error that also
+// wraps [ErrRetryRequest], from Complete or Release, asks the middleware to
+// run the request again from the claim on.
 //
 // # Contract
 //
@@ -179,6 +186,22 @@ type Response struct {
 	BodyOmitted bool
 }
 
+// A ResponseHolder is a [Store] that may keep nothing of a claimed request
+// until Complete returns, as a store that commits the claim, the handler's
+// writes and the response in one transaction does. When HoldResponses
+// reports true, the middleware lets no part of the response reach the
+// client before Complete returns: a Flush sends nothing, and a response
+// larger than [WithMaxResponseBytes] is held in memory whole (and stored
+// without its body) instead of being streamed. The middleware asks once,
+// when it is created.
+type ResponseHolder interface {
+	HoldResponses() bool
+}
+
+// MaxReruns is how many times the middleware runs a request again when
+// the store asks it to with [ErrRetryRequest].
+const MaxReruns = 3
+
 // Errors a Store reports. Use errors.Is to test for them.
 var (
 	// ErrLeaseLost means the record no longer holds the caller's lease
@@ -187,6 +210,20 @@ var (
 	// ErrRolledBack means a transactional store could not commit: the
 	// claim, the handler's writes and the response were all discarded.
 	ErrRolledBack = errors.New("idemserver: transaction rolled back")
+	// ErrOutcomeUnknown means a transactional store could not learn
+	// whether its commit succeeded (the connection was lost during it):
+	// the claim, the handler's writes and the response were either all
+	// kept or all discarded. The middleware answers 503 and does not
+	// release the claim; the client's retry finds out from the store.
+	ErrOutcomeUnknown = errors.New("idemserver: outcome of the commit unknown")
+	// ErrRetryRequest, wrapped in an error from Complete or Release, asks
+	// the middleware to run the request again from the claim on: the
+	// store discarded everything the attempt did, because it lost a
+	// conflict (a serialization failure or a deadlock) that another
+	// attempt may not. The middleware does so at most [MaxReruns] times,
+	// and only while nothing of the response has reached the client;
+	// after that it answers 503.
+	ErrRetryRequest = errors.New("idemserver: run the request again")
 	// ErrStoreFull means a bounded store has no room for a new record,
 	// because every record it holds is in progress.
 	ErrStoreFull = errors.New("idemserver: store full")
