@@ -16,3 +16,13 @@ func TestLeaseHTTPConformance(t *testing.T) {
 	db := newTestDB(t, 20)
 	storetest.RunHTTP(t, func(t *testing.T) idemserver.Store { return db.newStore(t) })
 }
+
+func TestTransactionalConformance(t *testing.T) {
+	db := newTestDB(t, 20)
+	storetest.RunTransactional(t, func(t *testing.T) idemserver.Store { return db.newStore(t, WithTransactional()) })
+}
+
+func TestTransactionalHTTPConformance(t *testing.T) {
+	db := newTestDB(t, 20)
+	storetest.RunHTTP(t, func(t *testing.T) idemserver.Store { return db.newStore(t, WithTransactional()) })
+}

@@ -53,10 +53,16 @@ func TestChildServer(t *testing.T) {
 	lease, err := time.ParseDuration(os.Getenv(childLease))
 	require.NoError(t, err)
 	opts := []Option{WithTable(os.Getenv(childTable))}
+	if mode == modeTx {
+		opts = append(opts, WithTransactional())
+	}
 	s, err := New(db, opts...)
 	require.NoError(t, err)
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var q querier = db
+		if tx := Tx(r.Context()); tx != nil {
+			q = tx
+		}
 		_, err := q.ExecContext(r.Context(), "INSERT INTO payments (key) VALUES ($1)", r.Header.Get("Idempotency-Key"))
 		require.NoError(t, err)
 		fmt.Println(childWrote)
@@ -167,4 +173,25 @@ func TestKillLeaseMode(t *testing.T) {
 	}
 	assert.Equal(t, 1, executed, "exactly one retry took over and ran")
 	assert.Equal(t, 2, countPayments(t, db.DB, "k"), "the dead handler's write and the takeover's")
+}
+
+func TestKillTransactionalMode(t *testing.T) {
+	// A server dies in its handler after the business write: its
+	// transaction dies with its connection, so neither the payment nor the
+	// claim is left, and the retry runs the handler once, at once.
+	db := newTestDB(t, 10)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	killedChild(t, db, modeTx, s.table.name, "k")
+
+	h := idemserver.Middleware(s, idemserver.WithWaitInFlight(20*time.Second))(txPaymentsHandler())
+	status, body, replayed := post(h, "k")
+	assert.Equal(t, http.StatusCreated, status, body)
+	assert.False(t, replayed)
+	assert.Equal(t, 1, countPayments(t, db.DB, "k"), "the retry's payment only")
+	status, body2, replayed := post(h, "k")
+	assert.Equal(t, http.StatusCreated, status)
+	assert.True(t, replayed)
+	assert.Equal(t, body, body2)
 }

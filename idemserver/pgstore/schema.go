@@ -88,6 +88,8 @@ type statements struct {
 	release  string
 	extend   string
 	sweep    string
+	read     string
+	claimTx  string
 }
 
 // newStatements returns the statements over table t.
@@ -134,6 +136,21 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		extend: r.Replace(`UPDATE {table}
 SET expires_at = now() + $4::float8 * interval '1 second'
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
+		read: r.Replace(`SELECT fingerprint, token, expires_at, now(), response FROM {table}
+WHERE scope = $1 AND key = $2`),
+		// claimTx is the claim of transactional mode, in the claim's
+		// transaction: with the key's advisory lock, taken without
+		// waiting, it inserts the claim; it always returns one row.
+		claimTx: r.Replace(`WITH lock AS (
+	SELECT pg_try_advisory_xact_lock($6) AS locked
+), ins AS (
+	INSERT INTO {table} (scope, key, fingerprint, token, expires_at)
+	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second' FROM lock WHERE locked
+	ON CONFLICT (scope, key) DO NOTHING
+	RETURNING true AS claimed
+)
+SELECT lock.locked, EXISTS (SELECT FROM ins), r.fingerprint, r.token, r.expires_at, now(), r.response
+FROM lock LEFT JOIN {table} AS r ON r.scope = $1 AND r.key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of

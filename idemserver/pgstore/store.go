@@ -23,6 +23,51 @@
 // A new key costs two round trips (claim and complete) besides the
 // handler's own; a replay costs one.
 //
+// # Transactional mode
+//
+// With [WithTransactional], the claim, the handler's own writes and the
+// stored response commit in one transaction, so a crash anywhere leaves all
+// of them or none, and no lease is needed: a dead process's transaction
+// dies with its connection.
+//
+//   - Claim first reads the key's row outside any transaction, so a replay
+//     costs that one round trip and writes nothing. A key without a live
+//     record is claimed in a new transaction, by one statement that takes
+//     a transaction-scoped advisory lock on the key without waiting
+//     (pg_try_advisory_xact_lock) and, holding it, inserts the claim.
+//   - The handler writes through [Tx](r.Context()). Complete stores the
+//     response in the transaction and commits: one synced commit per
+//     request. Release (a 5xx, a panic, a client gone) rolls back.
+//   - The transaction is begun under a context that the client's
+//     disconnect does not cancel: a handler that finished after its client
+//     left still commits, and the client's retry gets the replay.
+//   - A duplicate that arrives while the first is uncommitted does not get
+//     the lock: its store ends its own transaction at once and reports the
+//     key in progress, so the middleware answers 409 or, with
+//     [idemserver.WithWaitInFlight], polls. It never waits on the first
+//     claim's row, and holds no connection between polls.
+//   - The store implements [idemserver.ResponseHolder]: no part of a
+//     response reaches the client before the commit.
+//   - A serialization failure or deadlock (SQLSTATE 40001, 40P01) in
+//     Complete's write or the COMMIT makes the store ask the middleware to
+//     run the request again, in a new transaction, up to
+//     [idemserver.MaxReruns] times; a handler whose own statement fails so
+//     asks with [Rerun].
+//   - A COMMIT whose outcome is unknown (the connection died during it) is
+//     reported with [idemserver.ErrOutcomeUnknown] and never followed by a
+//     release: the client gets 503 with Retry-After, and its retry finds
+//     in the table what committed.
+//
+// A new key costs five round trips (read, BEGIN, claim, complete, COMMIT)
+// besides the handler's own, a replay one, and a duplicate in flight four
+// (read, BEGIN, claim, ROLLBACK). Each claimed request holds a pool
+// connection while its handler runs, so size the pool for the requests in
+// flight; PostgreSQL's idle_in_transaction_session_timeout bounds a
+// transaction whose process hung. The transaction has the database's
+// default isolation level. The advisory locks are 64-bit hashes of the
+// table, scope and key, in the database's one advisory lock space. A table
+// serves one mode: lease-mode and transactional stores must not share it.
+//
 // # The clock
 //
 // The database's clock is the only clock for leases and expiry: statements
@@ -66,9 +111,10 @@ import (
 // concurrent use, and any number of Stores, in any number of processes, may
 // share one table.
 type Store struct {
-	db    *sql.DB
-	table tableName
-	q     statements
+	db            *sql.DB
+	table         tableName
+	q             statements
+	transactional bool
 
 	// testHookRerun, when set, is called each time a claim statement
 	// is run again; see claim.
@@ -79,7 +125,8 @@ type Store struct {
 type Option func(*config)
 
 type config struct {
-	table string
+	table         string
+	transactional bool
 }
 
 // WithTable sets the table that holds the records: a name, or a schema and
@@ -108,7 +155,7 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Store{db: db, table: t, q: newStatements(t)}, nil
+	return &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional}, nil
 }
 
 // maxClaimRuns bounds how many times one claim runs its statement: each
@@ -120,6 +167,9 @@ const maxClaimRuns = 8
 // Claim implements [idemserver.Store] in one round trip, or two when the
 // row found has expired and is replaced.
 func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	if s.transactional {
+		return s.claimTx(ctx, c)
+	}
 	return s.claim(ctx, s.db, c)
 }
 
@@ -127,6 +177,11 @@ func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.Claim
 // holds expiredToken and its lease has ended by the database's clock, and
 // otherwise claims the key as Claim does.
 func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	if s.transactional {
+		// A claim in transactional mode has no lease to take over: it
+		// ends with its transaction.
+		return s.claimTx(ctx, c)
+	}
 	ok, err := s.replace(ctx, s.db, c, expiredToken)
 	if err != nil {
 		return idemserver.ClaimResult{}, err
@@ -232,8 +287,15 @@ func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, toke
 // expires (measured from now on this process's clock, and applied to the
 // database's).
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
-	n, err := execRows(ctx, s.db, s.q.complete, []byte(key.Scope), key.Key, token,
-		respcodec.Encode(resp), seconds(time.Until(expires)))
+	encoded, ttl := respcodec.Encode(resp), seconds(time.Until(expires))
+	if s.transactional {
+		st := stateOf(ctx, key, token)
+		if st == nil {
+			return idemserver.ErrLeaseLost
+		}
+		return s.completeTx(ctx, st, ttl, encoded)
+	}
+	n, err := execRows(ctx, s.db, s.q.complete, []byte(key.Scope), key.Key, token, encoded, ttl)
 	if err != nil {
 		return fmt.Errorf("pgstore: complete: %w", err)
 	}
@@ -242,6 +304,13 @@ func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, 
 
 // Release implements [idemserver.Store].
 func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) error {
+	if s.transactional {
+		st := stateOf(ctx, key, token)
+		if st == nil {
+			return idemserver.ErrLeaseLost
+		}
+		return s.releaseTx(st)
+	}
 	n, err := execRows(ctx, s.db, s.q.release, []byte(key.Scope), key.Key, token)
 	if err != nil {
 		return fmt.Errorf("pgstore: release: %w", err)
@@ -252,6 +321,13 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 // Extend implements [idemserver.Store]: the lease ends at leaseExpires,
 // measured from now on this process's clock and applied to the database's.
 func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
+	if s.transactional {
+		// The claim holds while its transaction is open, however long.
+		if stateOf(ctx, key, token) == nil {
+			return idemserver.ErrLeaseLost
+		}
+		return nil
+	}
 	n, err := execRows(ctx, s.db, s.q.extend, []byte(key.Scope), key.Key, token, seconds(time.Until(leaseExpires)))
 	if err != nil {
 		return fmt.Errorf("pgstore: extend: %w", err)
@@ -286,11 +362,7 @@ func seconds(d time.Duration) float64 {
 // (SQLSTATE 40001 or 40P01), after which the same statement may succeed.
 // Drivers expose the SQLSTATE through a method of their error type.
 func retryable(err error) bool {
-	var e interface{ SQLState() string }
-	if err == nil || !errors.As(err, &e) {
-		return false
-	}
-	switch e.SQLState() {
+	switch sqlState(err) {
 	case "40001", "40P01":
 		return true
 	}

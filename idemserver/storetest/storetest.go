@@ -36,7 +36,7 @@
 // holding a lease. A store that instead holds each claim in an open
 // transaction (see [idemserver.Store]) has no leases to expire or take over,
 // and cannot show a concurrent claim the record of an uncommitted one; such
-// a store runs [RunHTTP] only.
+// a store runs [RunTransactional] and [RunHTTP].
 //
 // # Keys
 //
@@ -91,10 +91,7 @@ const (
 // scopes kept apart, and cancelled contexts.
 func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 	t.Helper()
-	for _, tt := range []struct {
-		name string
-		run  func(*testing.T, *harness)
-	}{
+	run(t, newStore, false, []subtest{
 		{"ClaimOutcomes", testClaimOutcomes},
 		{"Lifecycle", testLifecycle},
 		{"ConcurrentClaims", testConcurrentClaims},
@@ -107,9 +104,44 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"Responses", testResponses},
 		{"Scopes", testScopes},
 		{"CancelledContext", testCancelledContext},
-	} {
+	})
+}
+
+// RunTransactional runs the conformance suite for stores that hold each
+// claim in an open transaction, carried by [idemserver.ClaimResult.Context]
+// and ended by Complete (commit) or Release (roll back), as
+// [idemserver.Store] describes. It checks what [Run] does, except what
+// needs a lease: such a claim holds until its transaction ends, so it
+// neither expires nor is taken over, Extend succeeds while it is open, and
+// a concurrent claim of it is reported in progress with the claimant's own
+// fingerprint and a lease that has not ended (the uncommitted record cannot
+// be read). Each claim the suite wins is ended before its subtest does.
+func RunTransactional(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
+	t.Helper()
+	run(t, newStore, true, []subtest{
+		{"ClaimOutcomes", testClaimOutcomes},
+		{"Lifecycle", testLifecycle},
+		{"ConcurrentClaims", testConcurrentClaims},
+		{"ConcurrentClaimsOfExpiredRecord", testConcurrentClaimsOfExpiredRecord},
+		{"Expiry", testExpiry},
+		{"Extend", testExtendTransactional},
+		{"StaleTokens", testStaleTokens},
+		{"Responses", testResponses},
+		{"Scopes", testScopes},
+		{"CancelledContext", testCancelledContext},
+	})
+}
+
+type subtest struct {
+	name string
+	run  func(*testing.T, *harness)
+}
+
+func run(t *testing.T, newStore func(t *testing.T) idemserver.Store, tx bool, tests []subtest) {
+	t.Helper()
+	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tt.run(t, &harness{t: t, s: newStore(t), tokens: new(atomic.Int64)})
+			tt.run(t, &harness{t: t, s: newStore(t), tokens: new(atomic.Int64), tx: tx})
 		})
 	}
 }
@@ -119,11 +151,12 @@ type harness struct {
 	t      *testing.T
 	s      idemserver.Store
 	tokens *atomic.Int64
+	tx     bool // the store holds claims in transactions; see RunTransactional
 }
 
 // sub returns a harness for the subtest t on the same store.
 func (h *harness) sub(t *testing.T) *harness {
-	return &harness{t: t, s: h.s, tokens: h.tokens}
+	return &harness{t: t, s: h.s, tokens: h.tokens, tx: h.tx}
 }
 
 // fp returns a fingerprint named by s.
@@ -158,10 +191,15 @@ func (h *harness) claim(key idemserver.Key, f idemserver.Fingerprint, d time.Dur
 }
 
 // leaseOf returns the lease of a successful claim.
+// A claim still held when the test ends is released then, so that a
+// transactional store's transaction ends with it.
 func (h *harness) leaseOf(c idemserver.Claim, res idemserver.ClaimResult) lease {
 	l := lease{c: c, ctx: h.t.Context()}
 	if res.Claimed && res.Context != nil {
 		l.ctx = res.Context
+	}
+	if res.Claimed {
+		h.t.Cleanup(func() { _ = h.release(l) })
 	}
 	return l
 }
@@ -195,10 +233,23 @@ func (h *harness) expectInProgress(key idemserver.Key, l lease) {
 	res, err := h.s.Claim(h.t.Context(), c)
 	require.NoError(h.t, err)
 	require.False(h.t, res.Claimed, "the key should be in progress")
-	assert.False(h.t, res.Record.Completed(), "the record should be in progress")
-	assert.Equal(h.t, l.c.Token, res.Record.Token, "lease token")
-	assert.Equal(h.t, l.c.Fingerprint, res.Record.Fingerprint, "fingerprint")
-	assert.True(h.t, c.Now.Before(res.Record.LeaseExpires), "lease should be live: ends %v, now %v", res.Record.LeaseExpires, c.Now)
+	h.assertInProgress(c, l.c, res.Record)
+}
+
+// assertInProgress checks the record that claim c found in progress,
+// holder's claim.
+func (h *harness) assertInProgress(c, holder idemserver.Claim, rec idemserver.Record) {
+	h.t.Helper()
+	assert.False(h.t, rec.Completed(), "the record should be in progress")
+	if h.tx {
+		// The holder's record is not committed: the claimant is told it
+		// is in progress as if it were its own.
+		assert.Equal(h.t, c.Fingerprint, rec.Fingerprint, "fingerprint of an uncommitted claim: the claimant's own")
+	} else {
+		assert.Equal(h.t, holder.Token, rec.Token, "lease token")
+		assert.Equal(h.t, holder.Fingerprint, rec.Fingerprint, "fingerprint")
+	}
+	assert.True(h.t, c.Now.Before(rec.LeaseExpires), "lease should be live: ends %v, now %v", rec.LeaseExpires, c.Now)
 }
 
 // expectReplay checks that claiming key now finds it completed with resp.
@@ -320,9 +371,7 @@ func testClaimOutcomes(t *testing.T, h *harness) {
 		res, err := h.s.Claim(t.Context(), c)
 		require.NoError(t, err)
 		assert.False(t, res.Claimed)
-		assert.False(t, res.Record.Completed())
-		assert.Equal(t, a, res.Record.Fingerprint, "the stored fingerprint, not the claimant's")
-		assert.Equal(t, first.c.Token, res.Record.Token)
+		h.assertInProgress(c, first.c, res.Record)
 		assert.True(t, c.Now.Add(live/2).Before(res.Record.LeaseExpires), "lease ends at %v, about an hour after %v", res.Record.LeaseExpires, c.Now)
 		assert.True(t, res.Record.LeaseExpires.Before(c.Now.Add(2*live)), "lease ends at %v, about an hour after %v", res.Record.LeaseExpires, c.Now)
 	}
@@ -383,7 +432,7 @@ func testConcurrentClaims(t *testing.T, h *harness) {
 		claims[i] = h.newClaim(key, f, live)
 	}
 	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
-	winner := assertOneWinner(t, claims, results, errs)
+	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
 	}
@@ -396,7 +445,8 @@ func testConcurrentClaims(t *testing.T, h *harness) {
 // assertOneWinner checks that exactly one of the concurrent claims
 // succeeded, and that every other found the winner's claim in progress. It
 // returns the winner's index, or -1.
-func assertOneWinner(t *testing.T, claims []idemserver.Claim, results []idemserver.ClaimResult, errs []error) int {
+func (h *harness) assertOneWinner(claims []idemserver.Claim, results []idemserver.ClaimResult, errs []error) int {
+	t := h.t
 	t.Helper()
 	winner, winners := -1, 0
 	for i, res := range results {
@@ -411,10 +461,9 @@ func assertOneWinner(t *testing.T, claims []idemserver.Claim, results []idemserv
 		if i == winner {
 			continue
 		}
-		assert.False(t, res.Record.Completed(), "claim %d", i)
-		assert.Equal(t, claims[winner].Token, res.Record.Token, "claim %d sees the winner's token", i)
-		assert.Equal(t, claims[winner].Fingerprint, res.Record.Fingerprint, "claim %d", i)
+		h.assertInProgress(claims[i], claims[winner], res.Record)
 	}
+	h.leaseOf(claims[winner], results[winner]) // ended when the test ends
 	return winner
 }
 
@@ -436,7 +485,7 @@ func testConcurrentClaimsOfExpiredRecord(t *testing.T, h *harness) {
 		claims[i] = h.newClaim(key, fp("new request"), live)
 	}
 	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
-	winner := assertOneWinner(t, claims, results, errs)
+	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
 	}
@@ -514,7 +563,7 @@ func testConcurrentTakeOvers(t *testing.T, h *harness) {
 		claims[i] = h.newClaim(key, f, live)
 	}
 	concurrently(n, func(i int) { results[i], errs[i] = h.s.TakeOver(t.Context(), claims[i], dead.c.Token) })
-	winner := assertOneWinner(t, claims, results, errs)
+	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
 	}
@@ -545,6 +594,20 @@ func testExtend(t *testing.T, h *harness) {
 
 	// Extending changes nothing else: the claim completes as usual.
 	require.NoError(t, h.complete(l, created, live))
+	h.expectReplay(key, f, created)
+}
+
+func testExtendTransactional(t *testing.T, h *harness) {
+	// A claim holds while its transaction is open: Extend succeeds, and
+	// changes nothing.
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	l := h.mustClaim(key, f, short)
+	require.NoError(t, h.extend(l, live))
+	require.NoError(t, h.extend(l, 0))
+	h.expectInProgress(key, l)
+	require.NoError(t, h.complete(l, created, live))
+	assert.ErrorIs(t, h.extend(l, live), idemserver.ErrLeaseLost, "extending a completed claim")
 	h.expectReplay(key, f, created)
 }
 
@@ -593,6 +656,9 @@ func testStaleTokens(t *testing.T, h *harness) {
 			return l, h.leaseOf(c, res)
 		}},
 	} {
+		if h.tx && tt.name == "taken over" {
+			continue // no leases to take over
+		}
 		for _, o := range ops {
 			t.Run(tt.name+"/"+o.name, func(t *testing.T) {
 				h := h.sub(t)
@@ -713,13 +779,16 @@ func testCancelledContext(t *testing.T, h *harness) {
 	key := idemserver.Key{Key: "claim"}
 	_, err := h.s.Claim(ctx, h.newClaim(key, f, live))
 	require.Error(t, err, "Claim with a cancelled context")
-	l := h.mustClaim(key, f, short)
-	h.waitLeaseExpired(key, l)
-	_, err = h.s.TakeOver(ctx, h.newClaim(key, f, live), l.c.Token)
-	require.Error(t, err, "TakeOver with a cancelled context")
-	// The lease still holds l's token: the failed TakeOver took nothing.
-	rec := h.waitLeaseExpired(key, l)
-	assert.Equal(t, l.c.Token, rec.Token)
+	h.expectFree(key)
+	if !h.tx {
+		l := h.mustClaim(key, f, short)
+		h.waitLeaseExpired(key, l)
+		_, err = h.s.TakeOver(ctx, h.newClaim(key, f, live), l.c.Token)
+		require.Error(t, err, "TakeOver with a cancelled context")
+		// The lease still holds l's token: the failed TakeOver took nothing.
+		rec := h.waitLeaseExpired(key, l)
+		assert.Equal(t, l.c.Token, rec.Token)
+	}
 
 	// Complete, Release and Extend either fail and change nothing, or
 	// succeed: never something in between.
