@@ -188,10 +188,15 @@ func TestTransactionalRoundTrips(t *testing.T) {
 	assert.Equal(t, int64(1), calls("new"), "replay: the read")
 }
 
-// failOnce installs a trigger on table that fails with SQLSTATE state, the
-// first n times it fires (a sequence counts them across transactions).
-func failOnce(t *testing.T, db *testDB, table, when, state string, n int) {
+// failFirst installs a trigger that fails with SQLSTATE state the first n
+// times it fires (a sequence counts them across transactions); on says
+// when it fires, such as "BEFORE INSERT ON payments".
+func failFirst(t *testing.T, db *testDB, on, state string, n int) {
 	t.Helper()
+	constraint := ""
+	if strings.Contains(on, "DEFERRED") {
+		constraint = "CONSTRAINT "
+	}
 	for _, q := range []string{
 		"CREATE SEQUENCE fails",
 		fmt.Sprintf(`CREATE FUNCTION fail() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -201,8 +206,7 @@ BEGIN
 	END IF;
 	RETURN NEW;
 END $$`, n, state),
-		"CREATE " + when + " TRIGGER fail " + map[bool]string{true: "AFTER INSERT ON " + table + " DEFERRABLE INITIALLY DEFERRED", false: "BEFORE UPDATE ON " + table}[when == "CONSTRAINT"] +
-			" FOR EACH ROW EXECUTE FUNCTION fail()",
+		"CREATE " + constraint + "TRIGGER fail " + on + " FOR EACH ROW EXECUTE FUNCTION fail()",
 	} {
 		_, err := db.ExecContext(t.Context(), q)
 		require.NoError(t, err, q)
@@ -212,46 +216,28 @@ END $$`, n, state),
 func TestTransactionalRerunsOnConflicts(t *testing.T) {
 	for _, tt := range []struct {
 		name string
-		// inject makes the first n attempts fail with SQLSTATE state.
-		inject   func(t *testing.T, db *testDB, s *Store, state string, n int)
+		// on says where the first attempts fail with SQLSTATE state:
+		// the handler's insert, Complete's update ({table}), or the
+		// commit (a deferred constraint trigger).
+		on       string
 		state    string
 		fails    int
 		status   int
 		payments int
 	}{
-		{"serialization failure in the handler", func(t *testing.T, db *testDB, _ *Store, state string, n int) {
-			failOnce(t, db, "payments", "", state, n)
-			_, err := db.ExecContext(t.Context(), "DROP TRIGGER fail ON payments")
-			require.NoError(t, err)
-			_, err = db.ExecContext(t.Context(), "CREATE TRIGGER fail BEFORE INSERT ON payments FOR EACH ROW EXECUTE FUNCTION fail()")
-			require.NoError(t, err)
-		}, "40001", 1, http.StatusCreated, 1},
-		{"deadlock in the handler", func(t *testing.T, db *testDB, _ *Store, state string, n int) {
-			failOnce(t, db, "payments", "", state, n)
-			_, err := db.ExecContext(t.Context(), "DROP TRIGGER fail ON payments")
-			require.NoError(t, err)
-			_, err = db.ExecContext(t.Context(), "CREATE TRIGGER fail BEFORE INSERT ON payments FOR EACH ROW EXECUTE FUNCTION fail()")
-			require.NoError(t, err)
-		}, "40P01", 2, http.StatusCreated, 1},
-		{"serialization failure in Complete", func(t *testing.T, db *testDB, s *Store, state string, n int) {
-			failOnce(t, db, s.table.quoted(), "", state, n)
-		}, "40001", 1, http.StatusCreated, 1},
-		{"serialization failure at commit", func(t *testing.T, db *testDB, _ *Store, state string, n int) {
-			failOnce(t, db, "payments", "CONSTRAINT", state, n)
-		}, "40001", 1, http.StatusCreated, 1},
-		{"bounded", func(t *testing.T, db *testDB, s *Store, state string, n int) {
-			failOnce(t, db, s.table.quoted(), "", state, n)
-		}, "40001", 100, http.StatusServiceUnavailable, 0},
-		{"other errors are not rerun", func(t *testing.T, db *testDB, s *Store, state string, n int) {
-			failOnce(t, db, s.table.quoted(), "", state, n)
-		}, "23505", 1, http.StatusServiceUnavailable, 0},
+		{"serialization failure in the handler", "BEFORE INSERT ON payments", "40001", 1, http.StatusCreated, 1},
+		{"deadlock in the handler", "BEFORE INSERT ON payments", "40P01", 2, http.StatusCreated, 1},
+		{"serialization failure in Complete", "BEFORE UPDATE ON {table}", "40001", 1, http.StatusCreated, 1},
+		{"serialization failure at commit", "AFTER INSERT ON payments DEFERRABLE INITIALLY DEFERRED", "40001", 1, http.StatusCreated, 1},
+		{"bounded", "BEFORE UPDATE ON {table}", "40001", 100, http.StatusServiceUnavailable, 0},
+		{"other errors are not rerun", "BEFORE UPDATE ON {table}", "23505", 1, http.StatusServiceUnavailable, 0},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			db := newTestDB(t, 4)
 			_, err := db.ExecContext(t.Context(), createPayments)
 			require.NoError(t, err)
 			s := db.newStore(t, WithTransactional())
-			tt.inject(t, db, s, tt.state, tt.fails)
+			failFirst(t, db, strings.ReplaceAll(tt.on, "{table}", s.table.quoted()), tt.state, tt.fails)
 			var runs atomic.Int64
 			var events []idemserver.Event
 			h := idemserver.Middleware(s, idemserver.WithObserver(func(e idemserver.Event) { events = append(events, e) }))(

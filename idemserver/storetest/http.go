@@ -171,32 +171,43 @@ func testHTTPReplay(t *testing.T, newStore func(*testing.T) idemserver.Store, op
 	assert.Equal(t, 1, s.runs.get("/k2"))
 }
 
-func testHTTPConcurrent(t *testing.T, newStore func(*testing.T) idemserver.Store, opts []idemserver.Option) {
-	const n = 50
-	entered, release := make(chan struct{}), make(chan struct{})
-	s := serve(t, newStore(t), opts, func(run int, w http.ResponseWriter, r *http.Request) {
+// blockedFirst starts a server whose handler's first run waits until
+// release is called, sends it a request with key k, and returns once that
+// run has started. wait returns the first request's reply.
+func blockedFirst(t *testing.T, store idemserver.Store, opts []idemserver.Option) (s *server, release func(), wait func() reply) {
+	entered, released := make(chan struct{}), make(chan struct{})
+	s = serve(t, store, opts, func(run int, w http.ResponseWriter, r *http.Request) {
 		if run == 1 {
 			close(entered)
-			<-release
+			<-released
 		}
 		writeCreated(run, w, r)
 	})
 	var first reply
-	var firstErr error
+	var err error
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		first, firstErr = s.post("k", "", "body")
+		first, err = s.post("k", "", "body")
 	}()
 	<-entered
+	return s, func() { close(released) }, func() reply {
+		<-done
+		require.NoError(t, err)
+		require.Equal(t, http.StatusCreated, first.status)
+		return first
+	}
+}
+
+func testHTTPConcurrent(t *testing.T, newStore func(*testing.T) idemserver.Store, opts []idemserver.Option) {
+	const n = 50
+	s, release, wait := blockedFirst(t, newStore(t), opts)
 	// While the first runs, every duplicate is told it is in progress.
 	replies := make([]reply, n)
 	errs := make([]error, n)
 	concurrently(n, func(i int) { replies[i], errs[i] = s.post("k", "", "body") })
-	close(release)
-	<-done
-	require.NoError(t, firstErr)
-	require.Equal(t, http.StatusCreated, first.status)
+	release()
+	first := wait()
 	for i, r := range replies {
 		require.NoError(t, errs[i])
 		assert.Equal(t, http.StatusConflict, r.status, "duplicate %d: %s", i, r.body)
@@ -209,23 +220,8 @@ func testHTTPConcurrent(t *testing.T, newStore func(*testing.T) idemserver.Store
 
 func testHTTPConcurrentWait(t *testing.T, newStore func(*testing.T) idemserver.Store, opts []idemserver.Option) {
 	const n = 20
-	entered, release := make(chan struct{}), make(chan struct{})
 	opts = append(opts[:len(opts):len(opts)], idemserver.WithWaitInFlight(time.Minute))
-	s := serve(t, newStore(t), opts, func(run int, w http.ResponseWriter, r *http.Request) {
-		if run == 1 {
-			close(entered)
-			<-release
-		}
-		writeCreated(run, w, r)
-	})
-	var first reply
-	var firstErr error
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		first, firstErr = s.post("k", "", "body")
-	}()
-	<-entered
+	s, release, wait := blockedFirst(t, newStore(t), opts)
 	replies := make([]reply, n)
 	errs := make([]error, n)
 	var wg sync.WaitGroup
@@ -234,11 +230,9 @@ func testHTTPConcurrentWait(t *testing.T, newStore func(*testing.T) idemserver.S
 	}
 	// The duplicates either wait for the first or arrive after it: either
 	// way they all replay it.
-	close(release)
+	release()
 	wg.Wait()
-	<-done
-	require.NoError(t, firstErr)
-	require.Equal(t, http.StatusCreated, first.status)
+	first := wait()
 	for i, r := range replies {
 		require.NoError(t, errs[i])
 		assertSameReply(t, first, r)
