@@ -37,23 +37,23 @@ import (
 // in PostgreSQL
 //
 //	WITH ins AS (
-//	    INSERT INTO idempotency (scope, key, fingerprint, token, lease_expires)
-//	    VALUES ($1, $2, $3, $4, $5)
-//	    ON CONFLICT (scope, key) DO UPDATE SET
-//	        fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token,
-//	        lease_expires = EXCLUDED.lease_expires, response = NULL
-//	    WHERE idempotency.expires <= $6
-//	    RETURNING true AS claimed, fingerprint, token, lease_expires, response, expires)
-//	SELECT * FROM ins
+//	    INSERT INTO idempotency (scope, key, fingerprint, token, expires_at)
+//	    VALUES ($1, $2, $3, $4, now() + $5)
+//	    ON CONFLICT (scope, key) DO NOTHING
+//	    RETURNING true AS claimed)
+//	SELECT claimed, NULL, NULL, NULL, NULL FROM ins
 //	UNION ALL
-//	SELECT false, fingerprint, token, lease_expires, response, expires
+//	SELECT false, fingerprint, token, expires_at, response
 //	FROM idempotency WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)
 //
-// If a concurrent claim committed after the statement took its snapshot,
-// neither half returns a row and the store runs the statement again.
-// TakeOver is the same statement with "token = $7 AND response IS NULL"
-// in place of the expiry test; Complete and Release are an UPDATE and a
-// DELETE whose WHERE clause names the lease token.
+// so that a replay only reads: ON CONFLICT DO UPDATE would lock and write
+// the existing row even when its WHERE clause is false. If a concurrent
+// claim committed after the statement took its snapshot, neither half
+// returns a row and the store runs the statement again. Only a row found
+// expired takes a second statement, an UPDATE that replaces it provided it
+// still holds the token that was read. TakeOver is that UPDATE; Complete,
+// Release and Extend are an UPDATE, a DELETE and an UPDATE whose WHERE
+// clause names the lease token. Package idemserver/pgstore is such a store.
 //
 // # Transactions
 //
