@@ -86,13 +86,15 @@ import (
 // the handler returns, but the client may see it before that. Once its
 // status has been flushed it is the outcome: a streaming handler that then
 // gives up (its context ended) without acting has its status stored and
-// replayed all the same, so a handler must flush only what it has done.
-// Hijacking the
-// connection of a keyed request is refused with an error wrapping
-// [http.ErrNotSupported].
+// replayed all the same, so a handler must flush only what it has done. A
+// store that implements [ResponseHolder] turns streaming off: then nothing
+// reaches the client before Complete returns, however large the response.
+// Hijacking the connection of a keyed request is refused with an error
+// wrapping [http.ErrNotSupported].
 //
 // A Complete or Release that fails with a transient error (any but
-// [ErrLeaseLost], [ErrRolledBack] and [ErrClosed]) is tried twice more,
+// [ErrLeaseLost], [ErrRolledBack], [ErrOutcomeUnknown], [ErrRetryRequest]
+// and [ErrClosed]) is tried twice more,
 // after 10ms and 100ms, with a context that is not cancelled, unless the
 // wait would pass the end of the lease. When the store still fails to keep
 // a response the handler produced, the client gets the response and the
@@ -100,9 +102,14 @@ import (
 // progress until its lease lapses, and then a retry runs the handler again.
 // The response is replaced by 503 with Retry-After only when nothing the
 // handler did was kept (a transactional store reports [ErrRolledBack]), or
-// when the claim was lost and another request's outcome is what retries get
-// (Complete reports [ErrLeaseLost]; [ProblemLeaseLost]); a response that
-// was already streamed cannot be replaced.
+// may not have been ([ErrOutcomeUnknown]: the claim is not released, and
+// the retry learns from the store what was committed), or when the claim
+// was lost and another request's outcome is what retries get (Complete
+// reports [ErrLeaseLost]; [ProblemLeaseLost]); a response that was already
+// streamed cannot be replaced. When the store reports [ErrRetryRequest]
+// (it discarded the attempt after a serialization failure or deadlock), the
+// request runs again from the claim on, up to [MaxReruns] times, and then
+// gets 503.
 func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	if store == nil {
 		store = NewMemoryStore()
@@ -113,8 +120,10 @@ func Middleware(store Store, opts ...Option) func(http.Handler) http.Handler {
 	// recorder's fields and body go into the store without first becoming
 	// a Response, and a replay is written from what the store kept.
 	packed, _ := store.(PackedStore)
+	holder, ok := store.(ResponseHolder)
+	hold := ok && holder.HoldResponses()
 	return func(next http.Handler) http.Handler {
-		return &handler{next: next, store: store, packed: packed, cfg: cfg, tokens: tokens, newToken: tokens.next}
+		return &handler{next: next, store: store, packed: packed, hold: hold, cfg: cfg, tokens: tokens, newToken: tokens.next}
 	}
 }
 
@@ -209,6 +218,7 @@ type handler struct {
 	next     http.Handler
 	store    Store
 	packed   PackedStore // store, if it is one
+	hold     bool        // hold every response until Complete returns; see ResponseHolder
 	cfg      *config
 	tokens   *tokenSource
 	newToken func() string // tokens.next, made once
@@ -277,7 +287,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	res, err := m.claimIn(ctx, &c, false, "")
 	var waited time.Duration
 	poll := firstPoll
-	takeOvers := 0
+	takeOvers, reruns := 0, 0
 	for {
 		switch {
 		case err != nil:
@@ -289,7 +299,13 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			m.run(w, r, key, c.Token, c.Now, &res, bufs)
+			if m.run(w, r, key, c.Token, c.Now, &res, bufs, reruns < MaxReruns) {
+				// The store discarded the attempt and asked for another.
+				reruns++
+				c = newClaim()
+				res, err = m.claimIn(ctx, &c, false, "")
+				continue
+			}
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
@@ -358,8 +374,11 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 	return res, err
 }
 
-// run serves a claimed request and stores or releases its outcome.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claimed time.Time, claim *PackedClaimResult, bufs *buffers) {
+// run serves a claimed request and stores or releases its outcome. When the
+// store asks for the request to run again (see [ErrRetryRequest]) and
+// mayRerun is set, it sends nothing, leaves w's header as it found it, and
+// reports true.
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claimed time.Time, claim *PackedClaimResult, bufs *buffers, mayRerun bool) (rerun bool) {
 	cfg := m.cfg
 	// The handler's body, ResponseWriter and context, and the keeper of its
 	// lease, in one allocation.
@@ -371,7 +390,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	}{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
-			fields: bufs.fields, body: bufs.respBody},
+			fields: bufs.fields, body: bufs.respBody, hold: m.hold},
 		lease: leaseKeeper{m: m, key: key, token: token},
 	}
 	rec, lease := &x.rec, &x.lease
@@ -398,6 +417,16 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 		claimed = time.Now()
 	}
 	lease.start(claimed)
+
+	// A response held back by a store that holds responses (and so
+	// discards the attempt's work with it) may be dropped for another run.
+	again := func(err error) bool {
+		if !mayRerun || !m.hold || rec.streaming || !errors.Is(err, ErrRetryRequest) {
+			return false
+		}
+		rec.resetHeader()
+		return true
+	}
 
 	returned := false
 	defer func() {
@@ -427,16 +456,19 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 		}
 		m.replaceResponse(rec, typ, detail)
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: http.StatusServiceUnavailable, Err: errors.Join(cause, err), Evictions: claim.Evictions})
-		return
+		return false
 	}
 	rec.finish()
 
 	if released(rec.status) {
 		err := m.release(storeCtx, key, token, leaseEnd)
+		if again(err) {
+			return true
+		}
 		rec.deliver()
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: rec.status,
 			Err: errors.Join(context.Cause(reqCtx), lost, err), Evictions: claim.Evictions})
-		return
+		return false
 	}
 	now := cfg.now()
 	expires := now.Add(cfg.ttl) // time.Time saturates; a store converting it must clamp
@@ -457,10 +489,20 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 			break
 		}
 	}
+	if again(err) {
+		return true
+	}
 	switch {
-	case !rec.streaming && errors.Is(err, ErrRolledBack):
+	case !rec.streaming && (errors.Is(err, ErrRolledBack) || errors.Is(err, ErrRetryRequest)):
 		m.replaceResponse(rec, ProblemStoreUnavailable,
 			"the outcome could not be kept and was rolled back; the request was not processed")
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: claim.Evictions})
+	case !rec.streaming && errors.Is(err, ErrOutcomeUnknown):
+		// No one can tell yet whether the handler's work was kept: the
+		// client must not take its response as the outcome, and the claim
+		// is not released; the retry learns from the store.
+		m.replaceResponse(rec, ProblemStoreUnavailable,
+			"whether the outcome was kept is not known; retry the same request to learn it")
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: claim.Evictions})
 	case !rec.streaming && errors.Is(err, ErrLeaseLost):
 		// Another request took the key over: a retry gets its outcome, so
@@ -475,6 +517,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 		rec.deliver()
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeExecuted, Status: rec.status, Err: errors.Join(lost, err), Evictions: claim.Evictions})
 	}
+	return false
 }
 
 // replaceResponse answers 503 with Retry-After and a problem of type typ in
@@ -506,7 +549,8 @@ func (m *handler) release(ctx context.Context, key Key, token string, leaseEnd t
 // the wait would pass leaseEnd, after which the key may be taken over.
 func retryEnd(err error, try int, leaseEnd time.Time) bool {
 	if err == nil || try > len(endRetryDelays) ||
-		errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrRolledBack) || errors.Is(err, ErrClosed) {
+		errors.Is(err, ErrLeaseLost) || errors.Is(err, ErrRolledBack) || errors.Is(err, ErrClosed) ||
+		errors.Is(err, ErrOutcomeUnknown) || errors.Is(err, ErrRetryRequest) {
 		return false
 	}
 	d := endRetryDelays[try-1]

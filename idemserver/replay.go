@@ -39,7 +39,9 @@ const ReplayedHeader = "Idempotent-Replayed"
 // Two things make it pass the response through early: a Flush, which a
 // streaming handler uses to reach the client now, and a body larger than
 // the limit. From then on it writes through to the client, still recording
-// the body while it fits.
+// the body while it fits. Neither does when hold is set: then the whole
+// response waits for the outcome, and a body past the limit is kept for
+// the client but not stored.
 //
 // The fields and the body are recorded in buffers the middleware reuses
 // (see [buffers]); the fields are kept in packed form (see [packedParts]),
@@ -65,7 +67,8 @@ type recorder struct {
 	hasLength   bool // the stored fields include Content-Length
 	wroteHeader bool
 	streaming   bool // status and headers have gone to the client
-	tooLarge    bool // the body passed the limit and was dropped
+	tooLarge    bool // the body passed the limit and is not stored
+	hold        bool // never let the response through early; see ResponseHolder
 }
 
 // begin records the fields the header map holds before the handler first
@@ -142,12 +145,14 @@ func (c *recorder) Write(p []byte) (int, error) {
 	}
 	if !c.tooLarge && int64(len(c.body))+int64(len(p)) > c.limit {
 		c.tooLarge = true
-		if !c.streaming {
-			c.startStreaming()
+		if !c.hold {
+			if !c.streaming {
+				c.startStreaming()
+			}
+			c.body = nil
 		}
-		c.body = nil
 	}
-	if !c.tooLarge {
+	if !c.tooLarge || c.hold {
 		c.body = append(c.body, p...)
 		if !c.streaming {
 			return len(p), nil
@@ -165,10 +170,14 @@ func (c *recorder) Write(p []byte) (int, error) {
 
 // FlushError lets the response through: what was recorded goes to the
 // client, and later writes follow at once. The response is still stored
-// when the handler returns, but the client may see it before then.
+// when the handler returns, but the client may see it before then. For a
+// store that holds responses (see [ResponseHolder]) it does nothing.
 func (c *recorder) FlushError() error {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
+	}
+	if c.hold {
+		return nil
 	}
 	if !c.streaming {
 		c.startStreaming()

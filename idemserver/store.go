@@ -40,24 +40,24 @@ import (
 // in PostgreSQL
 //
 //	WITH ins AS (
-//	    INSERT INTO idempotency (scope, key, fingerprint, token, lease_expires)
-//	    VALUES ($1, $2, $3, $4, $5)
-//	    ON CONFLICT (scope, key) DO UPDATE SET
-//	        fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token,
-//	        lease_expires = EXCLUDED.lease_expires, response = NULL
-//	    WHERE idempotency.expires <= $6
-//	    RETURNING true AS claimed, fingerprint, token, lease_expires, response, expires)
-//	SELECT * FROM ins
+//	    INSERT INTO idempotency (scope, key, fingerprint, token, expires_at)
+//	    VALUES ($1, $2, $3, $4, now() + $5)
+//	    ON CONFLICT (scope, key) DO NOTHING
+//	    RETURNING true AS claimed)
+//	SELECT claimed, NULL, NULL, NULL, NULL FROM ins
 //	UNION ALL
-//	SELECT false, fingerprint, token, lease_expires, response, expires
+//	SELECT false, fingerprint, token, expires_at, response
 //	FROM idempotency WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)
 //
-// If a concurrent claim committed after the statement took its snapshot,
-// neither half returns a row and the store runs the statement again.
-// TakeOver is the same statement with "token = $7 AND response IS NULL
-// AND lease_expires <= $6" in place of the expiry test; Complete and
-// Release are an UPDATE and a DELETE whose WHERE clause names the lease
-// token.
+// so that a replay only reads: ON CONFLICT DO UPDATE would lock and write
+// the existing row even when its WHERE clause is false. If a concurrent
+// claim committed after the statement took its snapshot, neither half
+// returns a row and the store runs the statement again. Only a row found
+// expired takes a second statement, an UPDATE that replaces it provided it
+// still holds the token that was read. TakeOver is that UPDATE, which also
+// requires the lease to have ended ("lease_expires <= now()"); Complete,
+// Release and Extend are an UPDATE, a DELETE and an UPDATE whose WHERE
+// clause names the lease token. Package idemserver/pgstore is such a store.
 //
 // # Transactions
 //
@@ -66,12 +66,19 @@ import (
 // carries it in [ClaimResult.Context]. The middleware then serves the
 // handler with that context, so the handler can do its own writes in the
 // transaction, and passes the same context (without its cancellation) to
-// Complete or Release, which commit or roll back. Such a store holds the row
-// lock of the uncommitted claim until then, so concurrent claims of the same
-// key wait for the first to finish instead of seeing it in progress. When the
-// commit in Complete fails, the store returns an error wrapping
-// [ErrRolledBack], and the middleware replaces the handler's response with
-// 503, since nothing the handler did was kept.
+// Complete or Release, which commit or roll back. Such a store implements
+// [ResponseHolder], so that no response reaches the client before the
+// commit. A concurrent claim of a key whose claim is not committed yet must
+// not wait for it without bound: the store reports the key in progress (a
+// record whose fingerprint is the claimant's own and whose lease has not
+// ended, since the uncommitted one cannot be read). When the commit in
+// Complete fails, the store returns an error wrapping [ErrRolledBack], and
+// the middleware replaces the handler's response with 503, since nothing
+// the handler did was kept; when the store cannot tell whether the commit
+// succeeded, an error wrapping [ErrOutcomeUnknown], which the middleware
+// answers with 503 too, without releasing the claim. An error that also
+// wraps [ErrRetryRequest], from Complete or Release, asks the middleware to
+// run the request again from the claim on.
 //
 // # Contract
 //
@@ -202,6 +209,22 @@ type Response struct {
 	BodyOmitted bool
 }
 
+// A ResponseHolder is a [Store] that may keep nothing of a claimed request
+// until Complete returns, as a store that commits the claim, the handler's
+// writes and the response in one transaction does. When HoldResponses
+// reports true, the middleware lets no part of the response reach the
+// client before Complete returns: a Flush sends nothing, and a response
+// larger than [WithMaxResponseBytes] is held in memory whole (and stored
+// without its body) instead of being streamed. The middleware asks once,
+// when it is created.
+type ResponseHolder interface {
+	HoldResponses() bool
+}
+
+// MaxReruns is how many times the middleware runs a request again when
+// the store asks it to with [ErrRetryRequest].
+const MaxReruns = 3
+
 // Errors a Store reports. Use errors.Is to test for them.
 var (
 	// ErrLeaseLost means the record no longer holds the caller's lease
@@ -210,6 +233,20 @@ var (
 	// ErrRolledBack means a transactional store could not commit: the
 	// claim, the handler's writes and the response were all discarded.
 	ErrRolledBack = errors.New("idemserver: transaction rolled back")
+	// ErrOutcomeUnknown means a transactional store could not learn
+	// whether its commit succeeded (the connection was lost during it):
+	// the claim, the handler's writes and the response were either all
+	// kept or all discarded. The middleware answers 503 and does not
+	// release the claim; the client's retry finds out from the store.
+	ErrOutcomeUnknown = errors.New("idemserver: outcome of the commit unknown")
+	// ErrRetryRequest, wrapped in an error from Complete or Release, asks
+	// the middleware to run the request again from the claim on: the
+	// store discarded everything the attempt did, because it lost a
+	// conflict (a serialization failure or a deadlock) that another
+	// attempt may not. The middleware does so at most [MaxReruns] times,
+	// and only while nothing of the response has reached the client;
+	// after that it answers 503.
+	ErrRetryRequest = errors.New("idemserver: run the request again")
 	// ErrStoreFull means a bounded store has no room for a new record,
 	// because every record it holds is live: in progress, or completed and
 	// not expired, and the store does not drop those early. The

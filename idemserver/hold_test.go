@@ -1,0 +1,196 @@
+package idemserver
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// holdingStore is a stubStore that holds responses, as a transactional
+// store does.
+type holdingStore struct{ *stubStore }
+
+func (holdingStore) HoldResponses() bool { return true }
+
+func TestHoldingStoreLetsNothingThroughEarly(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		handler func(w http.ResponseWriter)
+		body    string
+		omitted bool
+	}{
+		{"flush", func(w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "text/plain")
+			_, _ = w.Write([]byte("one, "))
+			require.NoError(t, http.NewResponseController(w).Flush())
+			_, _ = w.Write([]byte("two"))
+		}, "one, two", false},
+		{"larger than the limit", func(w http.ResponseWriter) {
+			_, _ = w.Write([]byte(strings.Repeat("x", 10)))
+			_, _ = w.Write([]byte(strings.Repeat("y", 10)))
+		}, strings.Repeat("x", 10) + strings.Repeat("y", 10), true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			store := holdingStore{newStubStore()}
+			w := httptestRecorder()
+			var stored *Response
+			store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+				assert.False(t, w.wroteHeader.Load(), "the client got the response before Complete")
+				stored = resp
+				return store.MemoryStore.Complete(ctx, k, token, resp, exp)
+			}
+			runs := 0
+			mw := Middleware(store, WithMaxResponseBytes(15))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs++
+				tt.handler(w)
+			}))
+			mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, http.StatusOK, w.Code)
+			assert.Equal(t, tt.body, w.Body.String(), "the client gets the whole response")
+			require.NotNil(t, stored)
+			assert.Equal(t, tt.omitted, stored.BodyOmitted)
+			if !tt.omitted {
+				assert.Equal(t, tt.body, string(stored.Body))
+			}
+			replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+			assert.Equal(t, 1, runs)
+		})
+	}
+}
+
+// watchedRecorder is a ResponseRecorder that tells whether anything was
+// sent to it.
+type watchedRecorder struct {
+	*httptest.ResponseRecorder
+	wroteHeader atomic.Bool
+}
+
+func httptestRecorder() *watchedRecorder {
+	return &watchedRecorder{ResponseRecorder: httptest.NewRecorder()}
+}
+
+func (w *watchedRecorder) WriteHeader(code int) {
+	w.wroteHeader.Store(true)
+	w.ResponseRecorder.WriteHeader(code)
+}
+
+func (w *watchedRecorder) Write(p []byte) (int, error) {
+	w.wroteHeader.Store(true)
+	return w.ResponseRecorder.Write(p)
+}
+
+func (w *watchedRecorder) Flush() {
+	w.wroteHeader.Store(true)
+	w.ResponseRecorder.Flush()
+}
+
+func TestOutcomeUnknownAnswers503WithoutRelease(t *testing.T) {
+	store := holdingStore{newStubStore()}
+	store.complete = func(context.Context, Key, string, *Response, time.Time) error {
+		return fmt.Errorf("commit: connection reset: %w", ErrOutcomeUnknown)
+	}
+	released := 0
+	store.release = func(context.Context, Key, string) error { released++; return nil }
+	var events []Event
+	h := &countingHandler{}
+	w := serve(Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(h), newRequest(http.MethodPost, "/x", "k", "b"))
+	decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
+	assert.NotEmpty(t, w.Header().Get("Retry-After"))
+	assert.Empty(t, w.Header().Get("X-Call"), "none of the handler's response")
+	assert.Zero(t, released, "a commit of unknown outcome is never followed by a release")
+	require.Len(t, events, 1)
+	assert.ErrorIs(t, events[0].Err, ErrOutcomeUnknown)
+	assert.Equal(t, OutcomeUnavailable, events[0].Outcome)
+}
+
+func TestRetryRequestRerunsTheHandler(t *testing.T) {
+	retry := fmt.Errorf("could not serialize access: %w", ErrRetryRequest)
+	for _, tt := range []struct {
+		name string
+		// fail makes the store discard attempt n and ask for a rerun.
+		fail    func(s holdingStore, n *int)
+		status  int // of the handler's first attempt
+		reruns  int
+		answer  int
+		outcome Outcome
+	}{
+		{"from Complete", func(s holdingStore, n *int) {
+			s.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+				if *n++; *n == 1 {
+					_ = s.MemoryStore.Release(ctx, k, token)
+					return fmt.Errorf("%w: %w", ErrRolledBack, retry)
+				}
+				return s.MemoryStore.Complete(ctx, k, token, resp, exp)
+			}
+		}, http.StatusCreated, 1, http.StatusCreated, OutcomeExecuted},
+		{"from Release", func(s holdingStore, n *int) {
+			s.release = func(ctx context.Context, k Key, token string) error {
+				*n++
+				_ = s.MemoryStore.Release(ctx, k, token)
+				return retry
+			}
+		}, http.StatusInternalServerError, 1, http.StatusCreated, OutcomeExecuted},
+		{"bounded", func(s holdingStore, n *int) {
+			s.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+				*n++
+				_ = s.MemoryStore.Release(ctx, k, token)
+				return fmt.Errorf("%w: %w", ErrRolledBack, retry)
+			}
+		}, http.StatusCreated, MaxReruns, http.StatusServiceUnavailable, OutcomeUnavailable},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			store := holdingStore{newStubStore()}
+			var failures int
+			tt.fail(store, &failures)
+			var runs atomic.Int64
+			var events []Event
+			mw := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				n := runs.Add(1)
+				body := make([]byte, 1)
+				_, _ = r.Body.Read(body)
+				w.Header().Add("X-Attempt", itoa(n))
+				w.Header().Add("X-Body", string(body))
+				if n == 1 {
+					w.WriteHeader(tt.status)
+				} else {
+					w.WriteHeader(http.StatusCreated)
+				}
+			}))
+			outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("X-Request-Id", "outer")
+				mw.ServeHTTP(w, r)
+			})
+			w := serve(outer, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, tt.answer, w.Code)
+			assert.Equal(t, int64(1+tt.reruns), runs.Load(), "handler runs")
+			assert.Equal(t, []string{"outer"}, w.Header()["X-Request-Id"], "the outer fields stay")
+			if tt.answer == http.StatusCreated {
+				assert.Equal(t, []string{itoa(runs.Load())}, w.Header()["X-Attempt"], "only the last attempt's fields")
+				assert.Equal(t, []string{"b"}, w.Header()["X-Body"], "every attempt reads the body")
+			}
+			require.Len(t, events, 1)
+			assert.Equal(t, tt.outcome, events[0].Outcome)
+		})
+	}
+}
+
+func TestRetryRequestNeedsAHoldingStore(t *testing.T) {
+	// A store that lets responses through cannot take one back: no rerun.
+	store := newStubStore()
+	store.complete = func(context.Context, Key, string, *Response, time.Time) error {
+		return fmt.Errorf("%w: %w", ErrRolledBack, ErrRetryRequest)
+	}
+	h := &countingHandler{}
+	w := serve(Middleware(store)(h), newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, http.StatusServiceUnavailable, w.Code)
+	assert.Equal(t, int64(1), h.calls.Load())
+}

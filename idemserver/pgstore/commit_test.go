@@ -1,0 +1,220 @@
+package pgstore
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// commitCutter is a TCP proxy in front of PostgreSQL that, once armed,
+// loses the connection that sends a COMMIT: before the COMMIT reaches the
+// server (nothing is committed), or after the server answered it
+// (everything is), before the answer reaches the client. Either way the
+// client cannot tell which.
+type commitCutter struct {
+	ln       net.Listener
+	target   string
+	deliver  bool // forward the COMMIT before cutting
+	armed    atomic.Bool
+	cut      atomic.Bool
+	wg       sync.WaitGroup
+	mu       sync.Mutex
+	conns    []net.Conn
+	cutError error
+}
+
+func newCommitCutter(t *testing.T, target string, deliver bool) *commitCutter {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	p := &commitCutter{ln: ln, target: target, deliver: deliver}
+	p.wg.Go(p.accept)
+	t.Cleanup(func() {
+		_ = ln.Close()
+		p.mu.Lock()
+		for _, c := range p.conns {
+			_ = c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *commitCutter) track(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.conns = append(p.conns, c)
+}
+
+func (p *commitCutter) accept() {
+	for {
+		client, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		server, err := net.Dial("tcp", p.target)
+		if err != nil {
+			_ = client.Close()
+			continue
+		}
+		p.track(client)
+		p.track(server)
+		var dropReplies atomic.Bool
+		p.wg.Go(func() {
+			// Server to client, until a reply is to be dropped.
+			buf := make([]byte, 32<<10)
+			for {
+				n, err := server.Read(buf)
+				if dropReplies.Load() {
+					_ = client.Close()
+					_ = server.Close()
+					return
+				}
+				if n > 0 {
+					if _, werr := client.Write(buf[:n]); werr != nil {
+						return
+					}
+				}
+				if err != nil {
+					_ = client.Close()
+					return
+				}
+			}
+		})
+		p.wg.Go(func() {
+			defer server.Close()
+			if err := p.relay(client, server, &dropReplies); err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				p.mu.Lock()
+				p.cutError = err
+				p.mu.Unlock()
+			}
+		})
+	}
+}
+
+// relay copies the client's messages to the server, message by message,
+// and cuts the connection at an armed COMMIT.
+func (p *commitCutter) relay(client, server net.Conn, dropReplies *atomic.Bool) error {
+	// Untyped messages first: SSL or GSS encryption requests, then the
+	// startup message (protocol 3.0).
+	for {
+		var hdr [8]byte
+		if _, err := io.ReadFull(client, hdr[:]); err != nil {
+			return err
+		}
+		n := binary.BigEndian.Uint32(hdr[:4])
+		rest := make([]byte, n-8)
+		if _, err := io.ReadFull(client, rest); err != nil {
+			return err
+		}
+		if _, err := server.Write(append(hdr[:], rest...)); err != nil {
+			return err
+		}
+		if binary.BigEndian.Uint32(hdr[4:]) == 196608 {
+			break
+		}
+	}
+	for {
+		var hdr [5]byte
+		if _, err := io.ReadFull(client, hdr[:]); err != nil {
+			return err
+		}
+		body := make([]byte, binary.BigEndian.Uint32(hdr[1:])-4)
+		if _, err := io.ReadFull(client, body); err != nil {
+			return err
+		}
+		msg := append(hdr[:], body...)
+		if hdr[0] == 'Q' && bytes.HasPrefix(bytes.ToLower(body), []byte("commit")) && p.armed.CompareAndSwap(true, false) {
+			p.cut.Store(true)
+			if !p.deliver {
+				_ = client.Close()
+				return nil
+			}
+			dropReplies.Store(true)
+		}
+		if _, err := server.Write(msg); err != nil {
+			return err
+		}
+	}
+}
+
+// releaseCounter counts the Releases of a Store.
+type releaseCounter struct {
+	*Store
+	releases atomic.Int64
+}
+
+func (r *releaseCounter) Release(ctx context.Context, key idemserver.Key, token string) error {
+	r.releases.Add(1)
+	return r.Store.Release(ctx, key, token)
+}
+
+func TestConnectionLostAtCommit(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		committed bool
+	}{
+		{"before the server got the COMMIT", false},
+		{"after the server committed", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			table := db.newStore(t, WithTransactional()).table.name
+
+			cfg, err := pgx.ParseConfig(db.dsn)
+			require.NoError(t, err)
+			proxy := newCommitCutter(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), tt.committed)
+			cfg.Host, cfg.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+			cfg.RuntimeParams["search_path"] = db.schema
+			pool := stdlib.OpenDB(*cfg)
+			t.Cleanup(func() { _ = pool.Close() })
+			s, err := New(pool, WithTable(table), WithTransactional())
+			require.NoError(t, err)
+			store := &releaseCounter{Store: s}
+
+			var events []idemserver.Event
+			h := idemserver.Middleware(store, idemserver.WithObserver(func(e idemserver.Event) { events = append(events, e) }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					proxy.armed.Store(true) // this request's COMMIT is lost
+					txPaymentsHandler().ServeHTTP(w, r)
+				}))
+			status, body, _ := post(h, "k")
+			require.True(t, proxy.cut.Load(), "the COMMIT went through the proxy")
+			assert.Equal(t, http.StatusServiceUnavailable, status, body)
+			assert.Contains(t, body, idemserver.ProblemStoreUnavailable)
+			assert.NotContains(t, body, "payment", "none of the handler's response")
+			assert.Zero(t, store.releases.Load(), "a COMMIT of unknown outcome is never followed by a release")
+			require.Len(t, events, 1)
+			assert.ErrorIs(t, events[0].Err, idemserver.ErrOutcomeUnknown)
+
+			// The retry learns from the table what committed. Until the
+			// server sees the lost connection and rolls it back, the
+			// claim is in progress: the retry waits.
+			direct, err := New(db.DB, WithTable(table), WithTransactional())
+			require.NoError(t, err)
+			retry := idemserver.Middleware(direct, idemserver.WithWaitInFlight(20*time.Second))(txPaymentsHandler())
+			status, body, replayed := post(retry, "k")
+			assert.Equal(t, http.StatusCreated, status, body)
+			assert.Equal(t, tt.committed, replayed, "replayed what committed, or ran what did not")
+			assert.Equal(t, 1, countPayments(t, db.DB, "k"))
+		})
+	}
+}

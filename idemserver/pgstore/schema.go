@@ -1,0 +1,207 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// DefaultTable is the table a Store keeps its records in unless
+// [WithTable] names another.
+const DefaultTable = "idempotency_keys"
+
+// ErrInvalidTable is returned by [New] for a table name that [WithTable]
+// does not accept.
+var ErrInvalidTable = errors.New("pgstore: invalid table name")
+
+// maxTableName is the longest table name accepted: PostgreSQL truncates
+// identifiers to 63 bytes, and the index name adds "_expires_at" to it.
+const maxTableName = 63 - len("_expires_at")
+
+// migrateLock is the advisory lock that serializes Migrate across
+// instances, since concurrent CREATE TABLE IF NOT EXISTS can fail.
+// It is "idemhttp" in ASCII.
+const migrateLock = 0x6964656d68747470
+
+// tableName is a validated table name: an optional schema and a table.
+type tableName struct {
+	schema, name string
+}
+
+// parseTable validates s, "table" or "schema.table", each part a plain
+// identifier: an ASCII letter or underscore, then letters, digits or
+// underscores. Names are case-sensitive and used quoted.
+func parseTable(s string) (tableName, error) {
+	t := tableName{name: s}
+	parts := []string{s}
+	if schema, name, ok := strings.Cut(s, "."); ok {
+		t = tableName{schema: schema, name: name}
+		parts = []string{schema, name}
+	}
+	for _, part := range parts {
+		if err := checkIdentifier(part); err != nil {
+			return tableName{}, fmt.Errorf("%w %q: %v", ErrInvalidTable, s, err)
+		}
+	}
+	if len(t.name) > maxTableName {
+		return tableName{}, fmt.Errorf("%w %q: a table name is at most %d bytes", ErrInvalidTable, s, maxTableName)
+	}
+	return t, nil
+}
+
+func checkIdentifier(s string) error {
+	if s == "" {
+		return errors.New("empty identifier")
+	}
+	if len(s) > 63 {
+		return errors.New("an identifier is at most 63 bytes")
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		letter := c == '_' || 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z'
+		if !letter && (i == 0 || c < '0' || c > '9') {
+			return fmt.Errorf("byte %q at offset %d: only ASCII letters, digits and underscores, not starting with a digit", c, i)
+		}
+	}
+	return nil
+}
+
+// quoted returns the table's name as it appears in SQL.
+func (t tableName) quoted() string {
+	if t.schema == "" {
+		return `"` + t.name + `"`
+	}
+	return `"` + t.schema + `"."` + t.name + `"`
+}
+
+// index returns the quoted name of the expiry index; an index lives in its
+// table's schema.
+func (t tableName) index() string { return `"` + t.name + `_expires_at"` }
+
+// statements holds the SQL of one table.
+type statements struct {
+	ddl      []string
+	claim    string
+	replace  string
+	complete string
+	release  string
+	extend   string
+	sweep    string
+	read     string
+	claimTx  string
+}
+
+// newStatements returns the statements over table t.
+//
+// Every record is a row keyed by (scope, key). A row whose response is
+// NULL is in progress, and its expires_at is the end of its lease; a row
+// with a response is completed, and its expires_at is the end of its
+// retention. Times are the database's: each statement computes them from
+// now() and a duration in seconds.
+func newStatements(t tableName) statements {
+	r := strings.NewReplacer("{table}", t.quoted(), "{index}", t.index())
+	return statements{
+		ddl: []string{
+			r.Replace(createTable),
+			r.Replace(createIndex),
+		},
+		// The claim inserts, or does nothing and reads the row that is
+		// there, in one statement that writes nothing when a row exists.
+		// Both halves see the statement's snapshot: when a concurrent
+		// claim commits the row after the snapshot was taken, the insert
+		// finds the conflict and the read does not see the row, so no row
+		// comes back and the store runs the statement again.
+		claim: r.Replace(`WITH ins AS (
+	INSERT INTO {table} (scope, key, fingerprint, token, expires_at)
+	VALUES ($1, $2, $3, $4, now() + $5::float8 * interval '1 second')
+	ON CONFLICT (scope, key) DO NOTHING
+	RETURNING true AS claimed
+)
+SELECT claimed, NULL::bytea, NULL::text, NULL::timestamptz, now(), NULL::bytea FROM ins
+UNION ALL
+SELECT false, fingerprint, token, expires_at, now(), response FROM {table}
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)`),
+		// replace takes over a row that has expired, in progress (its
+		// lease ended) or completed (its retention ended), and still holds
+		// the token the caller saw: a compare-and-set.
+		replace: r.Replace(`UPDATE {table}
+SET fingerprint = $3, token = $4, expires_at = now() + $5::float8 * interval '1 second', response = NULL
+WHERE scope = $1 AND key = $2 AND token = $6 AND expires_at <= now()`),
+		complete: r.Replace(`UPDATE {table}
+SET response = $4, expires_at = now() + $5::float8 * interval '1 second'
+WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
+		release: r.Replace(`DELETE FROM {table}
+WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
+		extend: r.Replace(`UPDATE {table}
+SET expires_at = now() + $4::float8 * interval '1 second'
+WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
+		read: r.Replace(`SELECT fingerprint, token, expires_at, now(), response FROM {table}
+WHERE scope = $1 AND key = $2`),
+		// claimTx is the claim of transactional mode, in the claim's
+		// transaction: with the key's advisory lock, taken without
+		// waiting, it inserts the claim; it always returns one row.
+		claimTx: r.Replace(`WITH lock AS (
+	SELECT pg_try_advisory_xact_lock($6) AS locked
+), ins AS (
+	INSERT INTO {table} (scope, key, fingerprint, token, expires_at)
+	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second' FROM lock WHERE locked
+	ON CONFLICT (scope, key) DO NOTHING
+	RETURNING true AS claimed
+)
+SELECT lock.locked, EXISTS (SELECT FROM ins), r.fingerprint, r.token, r.expires_at, now(), r.response
+FROM lock LEFT JOIN {table} AS r ON r.scope = $1 AND r.key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
+		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
+		// instances sweep at once without waiting on each other's rows
+		// (or on a row a claim is replacing), and the outer test of
+		// expires_at keeps a row that was extended meanwhile.
+		sweep: r.Replace(`DELETE FROM {table} AS d
+USING (
+	SELECT scope, key FROM {table}
+	WHERE expires_at <= now()
+	ORDER BY expires_at
+	LIMIT $1
+	FOR UPDATE SKIP LOCKED
+) AS old
+WHERE d.scope = old.scope AND d.key = old.key AND d.expires_at <= now()`),
+	}
+}
+
+// The DDL of a store's table; docs/pgstore.md shows the same SQL for
+// DefaultTable.
+const (
+	createTable = `CREATE TABLE IF NOT EXISTS {table} (
+    scope       bytea       NOT NULL,
+    key         text        NOT NULL,
+    fingerprint bytea       NOT NULL,
+    token       text        NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    response    bytea,
+    PRIMARY KEY (scope, key)
+)`
+	createIndex = `CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)`
+)
+
+// Migrate creates the store's table and its index unless they exist. It is
+// safe to run at every start, from several instances at once: an advisory
+// lock makes them take turns. Teams that run their own migrations can apply
+// the same SQL, shown in docs/pgstore.md, instead.
+func (s *Store) Migrate(ctx context.Context) error {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrateLock)); err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", err)
+	}
+	for _, q := range s.q.ddl {
+		if _, err := tx.ExecContext(ctx, q); err != nil {
+			return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,370 @@
+// Package pgstore is an [idemserver.Store] in PostgreSQL, shared by every
+// instance of a service that uses one database.
+//
+// It works over database/sql with any PostgreSQL driver (such as
+// github.com/jackc/pgx/v5/stdlib) and imports none. Each record is a row
+// of one table (see [Store.Migrate] and [WithTable]) keyed by scope and
+// key.
+//
+// # Lease mode
+//
+// By default a claim is a committed row holding a lease, as [idemserver.Store]
+// describes, and every method is one statement:
+//
+//   - Claim inserts the row if there is none, and otherwise reads the row
+//     that is there, in one round trip that writes nothing: a replay takes
+//     no row lock, writes no WAL and waits for no commit. Only when the row
+//     found has expired does a second statement take it over, a
+//     compare-and-set on its token.
+//   - Complete, Release, Extend and TakeOver are compare-and-set statements
+//     on the lease token, and report [idemserver.ErrLeaseLost] when the row
+//     no longer holds it.
+//
+// A new key costs two round trips (claim and complete) besides the
+// handler's own; a replay costs one.
+//
+// # Transactional mode
+//
+// With [WithTransactional], the claim, the handler's own writes and the
+// stored response commit in one transaction, so a crash anywhere leaves all
+// of them or none, and no lease is needed: a dead process's transaction
+// dies with its connection.
+//
+//   - Claim first reads the key's row outside any transaction, so a replay
+//     costs that one round trip and writes nothing. A key without a live
+//     record is claimed in a new transaction, by one statement that takes
+//     a transaction-scoped advisory lock on the key without waiting
+//     (pg_try_advisory_xact_lock) and, holding it, inserts the claim.
+//   - The handler writes through [Tx](r.Context()). Complete stores the
+//     response in the transaction and commits: one synced commit per
+//     request. Release (a 5xx, a panic, a client gone) rolls back.
+//   - The transaction is begun under a context that the client's
+//     disconnect does not cancel: a handler that finished after its client
+//     left still commits, and the client's retry gets the replay.
+//   - A duplicate that arrives while the first is uncommitted does not get
+//     the lock: its store ends its own transaction at once and reports the
+//     key in progress, so the middleware answers 409 or, with
+//     [idemserver.WithWaitInFlight], polls. It never waits on the first
+//     claim's row, and holds no connection between polls.
+//   - The store implements [idemserver.ResponseHolder]: no part of a
+//     response reaches the client before the commit.
+//   - A serialization failure or deadlock (SQLSTATE 40001, 40P01) in
+//     Complete's write or the COMMIT makes the store ask the middleware to
+//     run the request again, in a new transaction, up to
+//     [idemserver.MaxReruns] times; a handler whose own statement fails so
+//     asks with [Rerun].
+//   - A COMMIT whose outcome is unknown (the connection died during it) is
+//     reported with [idemserver.ErrOutcomeUnknown] and never followed by a
+//     release: the client gets 503 with Retry-After, and its retry finds
+//     in the table what committed.
+//
+// A new key costs five round trips (read, BEGIN, claim, complete, COMMIT)
+// besides the handler's own, a replay one, and a duplicate in flight four
+// (read, BEGIN, claim, ROLLBACK). Each claimed request holds a pool
+// connection while its handler runs, so size the pool for the requests in
+// flight; PostgreSQL's idle_in_transaction_session_timeout bounds a
+// transaction whose process hung. The transaction has the database's
+// default isolation level. The advisory locks are 64-bit hashes of the
+// table, scope and key, in the database's one advisory lock space. A table
+// serves one mode: lease-mode and transactional stores must not share it.
+//
+// # The clock
+//
+// The database's clock is the only clock for leases and expiry: statements
+// set and compare expires_at with now(), so instances whose clocks disagree
+// still agree on every lease. The times the middleware passes are read as
+// durations: a claim's lease is Claim.LeaseExpires minus Claim.Now, and
+// the expiry given to Complete or Extend is measured from the moment of
+// the call on this process's clock. The times the store reports (a record's
+// LeaseExpires and Expires) are Claim.Now plus what remains by the
+// database's clock, so the middleware compares them with Claim.Now as it
+// would a time of its own. Faking the middleware's clock (see
+// [idemserver.WithClock]) therefore does not move this store's.
+//
+// # Stored responses
+//
+// A response is kept in a bytea column in a compact binary form whose
+// first byte is its format version (see internal/respcodec), so a later
+// release reads what an earlier one wrote. A response written by a release
+// with a newer format, or damaged, is not guessed at: Claim fails with an
+// error that says so, and the middleware answers 503 until the record
+// expires or a release that reads it is deployed.
+//
+// # Expired rows
+//
+// Expired rows are replaced by the next claim of their key, and otherwise
+// stay until [Store.Sweep] deletes them.
+package pgstore
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+	"github.com/idemhttp/idemhttp/internal/respcodec"
+)
+
+// A Store keeps idempotency records in a PostgreSQL table. It is safe for
+// concurrent use, and any number of Stores, in any number of processes, may
+// share one table.
+type Store struct {
+	db            *sql.DB
+	table         tableName
+	q             statements
+	transactional bool
+
+	// testHookRerun, when set, is called each time a claim statement
+	// is run again; see claim.
+	testHookRerun func()
+}
+
+// An Option configures a [Store].
+type Option func(*config)
+
+type config struct {
+	table         string
+	transactional bool
+}
+
+// WithTable sets the table that holds the records: a name, or a schema and
+// a name joined by a dot, each an ASCII letter or underscore followed by up
+// to 62 ASCII letters, digits or underscores (the table's name at most
+// 52, so that its index's name fits). Names are used quoted, so they are
+// case-sensitive. The default is [DefaultTable], in the connection's
+// search_path.
+func WithTable(name string) Option {
+	return func(c *config) { c.table = name }
+}
+
+// New returns a Store over db configured by opts. It does not touch the
+// database; call [Store.Migrate] to create the table, or create it
+// yourself. New fails only for a nil db or a table name that [WithTable]
+// does not accept.
+func New(db *sql.DB, opts ...Option) (*Store, error) {
+	if db == nil {
+		return nil, errors.New("pgstore: nil *sql.DB")
+	}
+	cfg := config{table: DefaultTable}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	t, err := parseTable(cfg.table)
+	if err != nil {
+		return nil, err
+	}
+	return &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional}, nil
+}
+
+// maxClaimRuns bounds how many times one claim runs its statement: each
+// run after the first follows a concurrent change to the same key (a claim
+// committed after the statement's snapshot, a takeover, a sweep), so a
+// claim that has not settled after this many is reported as an error.
+const maxClaimRuns = 8
+
+// Claim implements [idemserver.Store] in one round trip, or two when the
+// row found has expired and is replaced.
+func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	if s.transactional {
+		return s.claimTx(ctx, c)
+	}
+	return s.claim(ctx, s.db, c)
+}
+
+// TakeOver implements [idemserver.Store]: it replaces the row if it still
+// holds expiredToken and its lease has ended by the database's clock, and
+// otherwise claims the key as Claim does.
+func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	if s.transactional {
+		// A claim in transactional mode has no lease to take over: it
+		// ends with its transaction.
+		return s.claimTx(ctx, c)
+	}
+	ok, err := s.replace(ctx, s.db, c, expiredToken)
+	if err != nil {
+		return idemserver.ClaimResult{}, err
+	}
+	if ok {
+		return idemserver.ClaimResult{Claimed: true}, nil
+	}
+	return s.claim(ctx, s.db, c)
+}
+
+// querier is what the store's statements run on: a pool or a transaction.
+type querier interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+}
+
+// claim runs the claim statement on q until it settles.
+func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	scope, lease := []byte(c.Key.Scope), seconds(c.LeaseExpires.Sub(c.Now))
+	for run := 0; run < maxClaimRuns; run++ {
+		if run > 0 && s.testHookRerun != nil {
+			s.testHookRerun()
+		}
+		var (
+			claimed     bool
+			fingerprint []byte
+			token       sql.NullString
+			expires     sql.NullTime
+			now         time.Time
+			response    []byte
+		)
+		err := q.QueryRowContext(ctx, s.q.claim, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease).
+			Scan(&claimed, &fingerprint, &token, &expires, &now, &response)
+		switch {
+		case errors.Is(err, sql.ErrNoRows):
+			// A concurrent claim committed the row after this statement's
+			// snapshot: the insert saw it, the read did not.
+			continue
+		case retryable(err):
+			continue
+		case err != nil:
+			return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim: %w", err)
+		case claimed:
+			return idemserver.ClaimResult{Claimed: true}, nil
+		}
+		if response != nil && !expires.Time.After(now) {
+			// A completed record that expired counts as absent: replace
+			// it, unless someone else did first.
+			ok, err := s.replace(ctx, q, c, token.String)
+			if err != nil {
+				return idemserver.ClaimResult{}, err
+			}
+			if ok {
+				return idemserver.ClaimResult{Claimed: true}, nil
+			}
+			continue
+		}
+		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now), response)
+		if err != nil {
+			return idemserver.ClaimResult{}, err
+		}
+		return idemserver.ClaimResult{Record: rec}, nil
+	}
+	return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
+}
+
+// record builds the Record of a row found by a claim c, whose expires_at
+// is remaining from the database's now().
+func (s *Store) record(c idemserver.Claim, fingerprint []byte, token string, remaining time.Duration, response []byte) (idemserver.Record, error) {
+	var rec idemserver.Record
+	if len(fingerprint) != len(rec.Fingerprint) {
+		return rec, fmt.Errorf("pgstore: %s holds a fingerprint of %d bytes for key %q; want %d",
+			s.table.quoted(), len(fingerprint), c.Key.Key, len(rec.Fingerprint))
+	}
+	copy(rec.Fingerprint[:], fingerprint)
+	rec.Token = token
+	at := c.Now.Add(remaining)
+	if response == nil {
+		rec.LeaseExpires = at
+		return rec, nil
+	}
+	resp, err := respcodec.Decode(response)
+	if err != nil {
+		return rec, fmt.Errorf("pgstore: the stored response of key %q in %s cannot be read: %w", c.Key.Key, s.table.quoted(), err)
+	}
+	rec.Response = resp
+	rec.Expires = at
+	return rec, nil
+}
+
+// replace takes over the row of c.Key for c, provided it still holds
+// token and has expired, and reports whether it did.
+func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, token string) (bool, error) {
+	n, err := execRows(ctx, q, s.q.replace, []byte(c.Key.Scope), c.Key.Key, c.Fingerprint[:], c.Token,
+		seconds(c.LeaseExpires.Sub(c.Now)), token)
+	if err != nil {
+		return false, fmt.Errorf("pgstore: take over: %w", err)
+	}
+	return n == 1, nil
+}
+
+// Complete implements [idemserver.Store]: it stores resp, to be kept until
+// expires (measured from now on this process's clock, and applied to the
+// database's).
+func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
+	encoded, ttl := respcodec.Encode(resp), seconds(time.Until(expires))
+	if s.transactional {
+		st := stateOf(ctx, key, token)
+		if st == nil {
+			return idemserver.ErrLeaseLost
+		}
+		return s.completeTx(ctx, st, ttl, encoded)
+	}
+	n, err := execRows(ctx, s.db, s.q.complete, []byte(key.Scope), key.Key, token, encoded, ttl)
+	if err != nil {
+		return fmt.Errorf("pgstore: complete: %w", err)
+	}
+	return leaseHeld(n)
+}
+
+// Release implements [idemserver.Store].
+func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) error {
+	if s.transactional {
+		st := stateOf(ctx, key, token)
+		if st == nil {
+			return idemserver.ErrLeaseLost
+		}
+		return s.releaseTx(st)
+	}
+	n, err := execRows(ctx, s.db, s.q.release, []byte(key.Scope), key.Key, token)
+	if err != nil {
+		return fmt.Errorf("pgstore: release: %w", err)
+	}
+	return leaseHeld(n)
+}
+
+// Extend implements [idemserver.Store]: the lease ends at leaseExpires,
+// measured from now on this process's clock and applied to the database's.
+func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
+	if s.transactional {
+		// The claim holds while its transaction is open, however long.
+		if stateOf(ctx, key, token) == nil {
+			return idemserver.ErrLeaseLost
+		}
+		return nil
+	}
+	n, err := execRows(ctx, s.db, s.q.extend, []byte(key.Scope), key.Key, token, seconds(time.Until(leaseExpires)))
+	if err != nil {
+		return fmt.Errorf("pgstore: extend: %w", err)
+	}
+	return leaseHeld(n)
+}
+
+// execRows runs a statement on q and returns the number of rows it changed.
+func execRows(ctx context.Context, q querier, query string, args ...any) (int64, error) {
+	res, err := q.ExecContext(ctx, query, args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+// leaseHeld returns nil if a compare-and-set on a lease token changed a
+// row, and ErrLeaseLost otherwise.
+func leaseHeld(rows int64) error {
+	if rows == 0 {
+		return idemserver.ErrLeaseLost
+	}
+	return nil
+}
+
+// seconds returns d in seconds, and zero for a negative d.
+func seconds(d time.Duration) float64 {
+	return max(d, 0).Seconds()
+}
+
+// retryable reports whether err is a serialization failure or a deadlock
+// (SQLSTATE 40001 or 40P01), after which the same statement may succeed.
+// Drivers expose the SQLSTATE through a method of their error type.
+func retryable(err error) bool {
+	switch sqlState(err) {
+	case "40001", "40P01":
+		return true
+	}
+	return false
+}

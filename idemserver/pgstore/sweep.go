@@ -1,0 +1,37 @@
+package pgstore
+
+import (
+	"context"
+	"fmt"
+)
+
+// Sweep deletes up to limit expired records, and returns how many it
+// deleted. A record has expired when its retention ended (a completed
+// record) or its lease did (an in-progress record whose handler died,
+// which the next request with its key would take over anyway); a live
+// lease is never touched.
+//
+// One call is one statement on the expiry index, so its cost is bounded by
+// limit. Rows another transaction holds, such as another instance's sweep
+// or a claim replacing an expired row, are skipped rather than waited for,
+// so several instances may sweep at once. To clear a backlog, call Sweep
+// again while it returns limit:
+//
+//	for {
+//		n, err := store.Sweep(ctx, 1000)
+//		if err != nil || n < 1000 {
+//			break
+//		}
+//	}
+//
+// A limit below 1 is an error.
+func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
+	if limit < 1 {
+		return 0, fmt.Errorf("pgstore: sweep limit %d; want at least 1", limit)
+	}
+	n, err := execRows(ctx, s.db, s.q.sweep, limit)
+	if err != nil {
+		return 0, fmt.Errorf("pgstore: sweep: %w", err)
+	}
+	return int(n), nil
+}

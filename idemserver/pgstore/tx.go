@@ -1,0 +1,266 @@
+package pgstore
+
+import (
+	"context"
+	"crypto/sha256"
+	"database/sql"
+	"database/sql/driver"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// WithTransactional makes the store run each claimed request in one
+// transaction: the claim, the handler's own writes (through [Tx]) and the
+// stored response commit together, so a crash anywhere leaves all of them
+// or none. See the package documentation.
+func WithTransactional() Option {
+	return func(c *config) { c.transactional = true }
+}
+
+// Tx returns the transaction of the claimed request whose context is ctx
+// (the handler's r.Context()), in which the handler does its own writes. It
+// returns nil outside transactional mode, and for a context without a claim.
+//
+// The handler must not commit or roll the transaction back: the store does,
+// when the middleware completes or releases the claim.
+func Tx(ctx context.Context) *sql.Tx {
+	if st, _ := ctx.Value(txKey{}).(*txState); st != nil {
+		return st.tx
+	}
+	return nil
+}
+
+// Rerun asks for the request whose context is ctx to run again from the
+// start, if err is a serialization failure or a deadlock (SQLSTATE 40001 or
+// 40P01), and reports whether it did. A handler calls it when a statement
+// in [Tx] fails, before it answers with an error: the store then rolls the
+// transaction back and the middleware runs the request again, in a new
+// transaction, up to [idemserver.MaxReruns] times, instead of sending the
+// error. Failures the store meets itself, in its last write or the commit,
+// are rerun without it.
+func Rerun(ctx context.Context, err error) bool {
+	st, _ := ctx.Value(txKey{}).(*txState)
+	if st == nil || !retryable(err) {
+		return false
+	}
+	st.rerun.Store(true)
+	return true
+}
+
+// HoldResponses implements [idemserver.ResponseHolder]: in transactional
+// mode no part of a response may reach the client before the commit.
+func (s *Store) HoldResponses() bool { return s.transactional }
+
+type txKey struct{}
+
+// txState is a claim in transactional mode: its open transaction.
+type txState struct {
+	tx    *sql.Tx
+	key   idemserver.Key
+	token string
+	rerun atomic.Bool // the handler asked for a rerun
+	ended atomic.Bool // committed or rolled back
+}
+
+// stateOf returns the open claim that ctx carries for key and token, or
+// nil.
+func stateOf(ctx context.Context, key idemserver.Key, token string) *txState {
+	st, _ := ctx.Value(txKey{}).(*txState)
+	if st == nil || st.key != key || st.token != token || st.ended.Load() {
+		return nil
+	}
+	return st
+}
+
+// claimTx claims c.Key in transactional mode.
+//
+// It first reads the key's row outside any transaction: a completed record
+// is replayed in that one round trip. Otherwise it begins a transaction and
+// runs one statement that takes a transaction-scoped advisory lock on the
+// key without waiting (pg_try_advisory_xact_lock) and, with the lock,
+// inserts the claim. A claimant that does not get the lock knows another
+// holds an uncommitted claim of the key and reports it in progress at once:
+// it neither waits on the other's row nor holds a connection afterwards.
+// The insert still settles races with claims that committed after the
+// statement's snapshot, as in lease mode.
+func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	scope, lease := []byte(c.Key.Scope), seconds(c.LeaseExpires.Sub(c.Now))
+	for run := 0; run < maxClaimRuns; run++ {
+		if run > 0 && s.testHookRerun != nil {
+			s.testHookRerun()
+		}
+		res, found, err := s.read(ctx, c)
+		if err != nil || found {
+			return res, err
+		}
+
+		// The transaction outlives the request's context: a handler that
+		// finished after its client left still commits, so the client's
+		// retry gets the replay. The middleware ends it.
+		tx, err := s.db.BeginTx(context.WithoutCancel(ctx), nil)
+		if err != nil {
+			return idemserver.ClaimResult{}, fmt.Errorf("pgstore: begin: %w", err)
+		}
+		var (
+			locked, claimed bool
+			fingerprint     []byte
+			token           sql.NullString
+			expires         sql.NullTime
+			now             sql.NullTime
+			response        []byte
+		)
+		err = tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease, s.lockID(c.Key)).
+			Scan(&locked, &claimed, &fingerprint, &token, &expires, &now, &response)
+		switch {
+		case err == nil && claimed:
+			st := &txState{tx: tx, key: c.Key, token: c.Token}
+			return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, nil
+		case err == nil && locked && token.Valid && response != nil && !expires.Time.After(now.Time):
+			// A completed record that expired: replace it in the
+			// transaction, unless someone else did first.
+			ok, err := s.replace(ctx, tx, c, token.String)
+			if err == nil && ok {
+				st := &txState{tx: tx, key: c.Key, token: c.Token}
+				return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, nil
+			}
+			_ = tx.Rollback()
+			if err != nil && !retryable(err) {
+				return idemserver.ClaimResult{}, err
+			}
+			continue
+		}
+		_ = tx.Rollback()
+		switch {
+		case retryable(err):
+			continue
+		case err != nil:
+			return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim: %w", err)
+		case !locked:
+			// Another transaction holds an uncommitted claim of the key,
+			// whose fingerprint cannot be read: report it in progress as
+			// if it were this request's, so that a duplicate is told to
+			// retry (409) or waits, and never takes it over.
+			return idemserver.ClaimResult{Record: idemserver.Record{
+				Fingerprint:  c.Fingerprint,
+				LeaseExpires: c.LeaseExpires,
+			}}, nil
+		case !token.Valid:
+			// The row was committed after the statement's snapshot.
+			continue
+		}
+		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now.Time), response)
+		if err != nil {
+			return idemserver.ClaimResult{}, err
+		}
+		return idemserver.ClaimResult{Record: rec}, nil
+	}
+	return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
+}
+
+// read reads the row of c.Key outside any transaction, and reports whether
+// it settles the claim: a live record (a completed one to replay, or one in
+// progress in lease mode). An absent or expired row does not.
+func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, bool, error) {
+	var (
+		fingerprint []byte
+		token       string
+		expires     time.Time
+		now         time.Time
+		response    []byte
+	)
+	err := s.db.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).
+		Scan(&fingerprint, &token, &expires, &now, &response)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return idemserver.ClaimResult{}, false, nil
+	case err != nil:
+		return idemserver.ClaimResult{}, false, fmt.Errorf("pgstore: claim: %w", err)
+	case response != nil && !expires.After(now):
+		return idemserver.ClaimResult{}, false, nil
+	}
+	rec, err := s.record(c, fingerprint, token, expires.Sub(now), response)
+	if err != nil {
+		return idemserver.ClaimResult{}, false, err
+	}
+	return idemserver.ClaimResult{Record: rec}, true, nil
+}
+
+// lockID returns the advisory lock of a key: 64 bits of a SHA-256 of the
+// table and the key, so that no tenant can pick keys whose locks collide
+// with another's.
+func (s *Store) lockID(k idemserver.Key) int64 {
+	h := sha256.New()
+	var n [binary.MaxVarintLen64]byte
+	for _, part := range []string{s.table.quoted(), k.Scope, k.Key} {
+		h.Write(n[:binary.PutUvarint(n[:], uint64(len(part)))])
+		h.Write([]byte(part))
+	}
+	var sum [sha256.Size]byte
+	return int64(binary.BigEndian.Uint64(h.Sum(sum[:0])))
+}
+
+// completeTx stores resp in the claim's transaction and commits it.
+func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encoded []byte) error {
+	st.ended.Store(true)
+	n, err := execRows(ctx, st.tx, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+	if err == nil && n == 0 {
+		err = errors.New("the claim's row is gone from its transaction")
+	}
+	if err != nil {
+		_ = st.tx.Rollback()
+		return s.rolledBack(st, err)
+	}
+	err = st.tx.Commit()
+	switch {
+	case err == nil:
+		return nil
+	case sqlState(err) != "":
+		// The server answered the COMMIT: it rolled back.
+		return s.rolledBack(st, err)
+	}
+	// The connection failed during the COMMIT: it may or may not have
+	// committed. Nothing may be released; the client's retry reads what
+	// the table holds.
+	return fmt.Errorf("pgstore: commit: %w: %w", idemserver.ErrOutcomeUnknown, err)
+}
+
+// rolledBack returns the error of a transaction that was rolled back
+// because of err: one that asks for a rerun when err was a serialization
+// failure or deadlock, or the handler asked for one.
+func (s *Store) rolledBack(st *txState, err error) error {
+	if retryable(err) || st.rerun.Load() {
+		return fmt.Errorf("pgstore: %w: %w: %w", idemserver.ErrRolledBack, idemserver.ErrRetryRequest, err)
+	}
+	return fmt.Errorf("pgstore: %w: %w", idemserver.ErrRolledBack, err)
+}
+
+// releaseTx rolls the claim's transaction back.
+func (s *Store) releaseTx(st *txState) error {
+	st.ended.Store(true)
+	err := st.tx.Rollback()
+	if errors.Is(err, driver.ErrBadConn) {
+		err = nil // the server rolls back a transaction whose connection died
+	}
+	if st.rerun.Load() {
+		return fmt.Errorf("pgstore: release: %w", errors.Join(idemserver.ErrRetryRequest, err))
+	}
+	if err != nil {
+		return fmt.Errorf("pgstore: release: %w", err)
+	}
+	return nil
+}
+
+// sqlState returns the SQLSTATE of an error the server sent, or "" for
+// any other error. Drivers expose it through a method of their error type.
+func sqlState(err error) string {
+	var e interface{ SQLState() string }
+	if errors.As(err, &e) {
+		return e.SQLState()
+	}
+	return ""
+}

@@ -1,0 +1,263 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// txPaymentsHandler records one payment per execution in the claim's
+// transaction and answers with its id.
+func txPaymentsHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var id int64
+		err := Tx(r.Context()).QueryRowContext(r.Context(), "INSERT INTO payments (key) VALUES ($1) RETURNING id",
+			r.Header.Get("Idempotency-Key")).Scan(&id)
+		if err != nil {
+			Rerun(r.Context(), err)
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"payment":%d}`, id)
+	})
+}
+
+func countKeys(t *testing.T, db *testDB, s *Store) int {
+	t.Helper()
+	var n int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM "+s.table.quoted()).Scan(&n))
+	return n
+}
+
+func TestTransactionalAllOrNothing(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		after    func(w http.ResponseWriter) // after the payment was recorded
+		payments int
+		kept     bool
+	}{
+		{"stored", func(w http.ResponseWriter) { w.WriteHeader(http.StatusCreated) }, 1, true},
+		{"client error stored", func(w http.ResponseWriter) { w.WriteHeader(http.StatusConflict) }, 1, true},
+		{"server error rolls back", func(w http.ResponseWriter) { w.WriteHeader(http.StatusBadGateway) }, 0, false},
+		{"429 rolls back", func(w http.ResponseWriter) { w.WriteHeader(http.StatusTooManyRequests) }, 0, false},
+		{"panic rolls back", func(http.ResponseWriter) { panic(http.ErrAbortHandler) }, 0, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			s := db.newStore(t, WithTransactional())
+			h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, err := Tx(r.Context()).ExecContext(r.Context(), "INSERT INTO payments (key) VALUES ('k')")
+				require.NoError(t, err)
+				tt.after(w)
+			}))
+			func() {
+				defer func() { _ = recover() }()
+				post(h, "k")
+			}()
+			assert.Equal(t, tt.payments, countPayments(t, db.DB, "k"))
+			want := 0
+			if tt.kept {
+				want = 1
+			}
+			assert.Equal(t, want, countKeys(t, db, s), "records")
+			assert.Zero(t, db.Stats().InUse, "no transaction left open")
+		})
+	}
+}
+
+func TestTxOutsideTransactionalMode(t *testing.T) {
+	assert.Nil(t, Tx(context.Background()))
+	db := newTestDB(t, 4)
+	s := db.newStore(t)
+	assert.False(t, s.HoldResponses())
+	var tx any = "unset"
+	h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx = Tx(r.Context())
+	}))
+	post(h, "k")
+	assert.Nil(t, tx)
+	assert.True(t, db.newStore(t, WithTransactional()).HoldResponses())
+}
+
+func TestTransactionalDuplicateNeitherBlocksNorHoldsAConnection(t *testing.T) {
+	// The pool has two connections; the first request's transaction holds
+	// one. A duplicate is told 409 at once, and one that waits
+	// (WithWaitInFlight) leaves the other connection free for other work
+	// while it does, then replays.
+	db := newTestDB(t, 2)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	entered, release := make(chan struct{}), make(chan struct{})
+	var runs atomic.Int64
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Idempotency-Key") == "slow" && runs.Add(1) == 1 {
+			close(entered)
+			<-release
+		}
+		txPaymentsHandler().ServeHTTP(w, r)
+	})
+	refuse := idemserver.Middleware(s)(handler)
+	wait := idemserver.Middleware(s, idemserver.WithWaitInFlight(time.Minute))(handler)
+
+	first := make(chan string, 1)
+	go func() {
+		_, body, _ := post(refuse, "slow")
+		first <- body
+	}()
+	<-entered
+
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	w := httptest.NewRecorder()
+	r := httptest.NewRequestWithContext(ctx, http.MethodPost, "/pay", strings.NewReader("b"))
+	r.Header.Set("Idempotency-Key", "slow")
+	refuse.ServeHTTP(w, r)
+	assert.Equal(t, http.StatusConflict, w.Code, "a duplicate of an uncommitted claim: 409 at once")
+	assert.NotEmpty(t, w.Header().Get("Retry-After"))
+
+	waited := make(chan string, 1)
+	go func() {
+		_, body, _ := post(wait, "slow")
+		waited <- body
+	}()
+	// While the duplicate waits, the pool's other connection serves
+	// another key from start to commit.
+	for i := range 3 {
+		status, body, _ := post(refuse, fmt.Sprintf("other-%d", i))
+		require.Equal(t, http.StatusCreated, status, body)
+	}
+	close(release)
+	body := <-first
+	assert.Equal(t, body, <-waited, "the waiting duplicate replays the first response")
+	assert.Equal(t, 1, countPayments(t, db.DB, "slow"))
+}
+
+func TestTransactionalCommitsAfterTheClientLeft(t *testing.T) {
+	// The handler finished its work and its response, then the client went
+	// away: the transaction still commits, and the retry replays.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	ctx, cancel := context.WithCancel(t.Context())
+	h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		txPaymentsHandler().ServeHTTP(w, r)
+		cancel()
+	}))
+	r := httptest.NewRequestWithContext(ctx, http.MethodPost, "/pay", strings.NewReader("b"))
+	r.Header.Set("Idempotency-Key", "k")
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, r)
+	require.Equal(t, http.StatusCreated, w.Code, w.Body.String())
+	assert.Equal(t, 1, countPayments(t, db.DB, "k"))
+	status, body, replayed := post(h, "k")
+	assert.Equal(t, http.StatusCreated, status)
+	assert.True(t, replayed)
+	assert.Equal(t, w.Body.String(), body)
+}
+
+func TestTransactionalRoundTrips(t *testing.T) {
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	h := idemserver.Middleware(s)(txPaymentsHandler())
+	calls := func(key string) int64 {
+		before := db.calls.Load()
+		status, body, _ := post(h, key)
+		require.Equal(t, http.StatusCreated, status, body)
+		return db.calls.Load() - before
+	}
+	assert.Equal(t, int64(6), calls("new"), "new key: read, begin, claim, the handler's insert, complete, commit")
+	assert.Equal(t, int64(1), calls("new"), "replay: the read")
+	assert.Equal(t, int64(1), calls("new"), "replay: the read")
+}
+
+// failFirst installs a trigger that fails with SQLSTATE state the first n
+// times it fires (a sequence counts them across transactions); on says
+// when it fires, such as "BEFORE INSERT ON payments".
+func failFirst(t *testing.T, db *testDB, on, state string, n int) {
+	t.Helper()
+	constraint := ""
+	if strings.Contains(on, "DEFERRED") {
+		constraint = "CONSTRAINT "
+	}
+	for _, q := range []string{
+		"CREATE SEQUENCE fails",
+		fmt.Sprintf(`CREATE FUNCTION fail() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF nextval('fails') <= %d THEN
+		RAISE EXCEPTION 'injected' USING ERRCODE = '%s';
+	END IF;
+	RETURN NEW;
+END $$`, n, state),
+		"CREATE " + constraint + "TRIGGER fail " + on + " FOR EACH ROW EXECUTE FUNCTION fail()",
+	} {
+		_, err := db.ExecContext(t.Context(), q)
+		require.NoError(t, err, q)
+	}
+}
+
+func TestTransactionalRerunsOnConflicts(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		// on says where the first attempts fail with SQLSTATE state:
+		// the handler's insert, Complete's update ({table}), or the
+		// commit (a deferred constraint trigger).
+		on       string
+		state    string
+		fails    int
+		status   int
+		payments int
+	}{
+		{"serialization failure in the handler", "BEFORE INSERT ON payments", "40001", 1, http.StatusCreated, 1},
+		{"deadlock in the handler", "BEFORE INSERT ON payments", "40P01", 2, http.StatusCreated, 1},
+		{"serialization failure in Complete", "BEFORE UPDATE ON {table}", "40001", 1, http.StatusCreated, 1},
+		{"serialization failure at commit", "AFTER INSERT ON payments DEFERRABLE INITIALLY DEFERRED", "40001", 1, http.StatusCreated, 1},
+		{"bounded", "BEFORE UPDATE ON {table}", "40001", 100, http.StatusServiceUnavailable, 0},
+		{"other errors are not rerun", "BEFORE UPDATE ON {table}", "23505", 1, http.StatusServiceUnavailable, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			s := db.newStore(t, WithTransactional())
+			failFirst(t, db, strings.ReplaceAll(tt.on, "{table}", s.table.quoted()), tt.state, tt.fails)
+			var runs atomic.Int64
+			var events []idemserver.Event
+			h := idemserver.Middleware(s, idemserver.WithObserver(func(e idemserver.Event) { events = append(events, e) }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					txPaymentsHandler().ServeHTTP(w, r)
+				}))
+			status, body, _ := post(h, "k")
+			assert.Equal(t, tt.status, status, body)
+			assert.Equal(t, tt.payments, countPayments(t, db.DB, "k"))
+			wantRuns := int64(min(tt.fails, idemserver.MaxReruns) + 1)
+			if tt.state == "23505" {
+				wantRuns = 1
+			}
+			assert.Equal(t, wantRuns, runs.Load(), "handler runs")
+			require.Len(t, events, 1)
+			if tt.status == http.StatusServiceUnavailable {
+				assert.True(t, errors.Is(events[0].Err, idemserver.ErrRolledBack), "%v", events[0].Err)
+			}
+			assert.Zero(t, db.Stats().InUse, "no transaction left open")
+		})
+	}
+}

@@ -1,0 +1,832 @@
+// Package storetest is a conformance suite for implementations of
+// [idemserver.Store]. Every store in this module passes it, and a
+// third-party store can run it from its own tests:
+//
+//	func TestConformance(t *testing.T) {
+//		storetest.Run(t, func(t *testing.T) idemserver.Store {
+//			s := mystore.New(...)
+//			t.Cleanup(func() { s.Close() })
+//			return s
+//		})
+//	}
+//
+// [Run] calls the store's methods directly and checks the contract of
+// [idemserver.Store]; [RunHTTP] puts the store behind the middleware and
+// checks what clients see.
+//
+// # Clocks
+//
+// A store may judge leases and expiry by the times in each [idemserver.Claim]
+// or by a clock of its own, such as a database's now(). The suite works with
+// either, because it never fakes time: every Claim it makes has Now set to
+// time.Now() and LeaseExpires to Now plus a duration, and every expiry it
+// passes to Complete or Extend is time.Now() plus a duration. A live lease
+// or record lasts an hour, far longer than any test, so nothing the suite
+// expects to be live can expire while it runs. A lease or record meant to
+// expire lasts a millisecond, and the suite then polls the store, for up to
+// ten seconds, until the store reports it expired; it never sleeps for a
+// fixed time and assumes the store agrees. A store that runs on its own
+// clock must still report times that the middleware can compare with
+// Claim.Now: [idemserver.Record.LeaseExpires] is not after Claim.Now exactly
+// when the store takes the lease to have ended.
+//
+// # Stores that claim inside a transaction
+//
+// Run checks the contract of a store whose claims are committed records
+// holding a lease. A store that instead holds each claim in an open
+// transaction (see [idemserver.Store]) has no leases to expire or take over,
+// and cannot show a concurrent claim the record of an uncommitted one; such
+// a store runs [RunTransactional] and [RunHTTP].
+//
+// # Keys
+//
+// The suite's keys are keys the middleware accepts (see
+// [idemserver.ParseKey]): printable ASCII, at most [idemserver.MaxKeyLen]
+// characters. Its scopes are any strings, NUL bytes and invalid UTF-8
+// included, since a scope is whatever the middleware's scope function
+// returns.
+package storetest
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// Durations the suite uses; see the package documentation.
+const (
+	// live is the lease or retention of a record that must not expire
+	// while a test runs.
+	live = time.Hour
+	// short is the lease or retention of a record meant to expire.
+	short = time.Millisecond
+	// pollLimit bounds the wait for a store to report a short lease or
+	// record expired.
+	pollLimit = 10 * time.Second
+	// pollEvery is the interval between two polls.
+	pollEvery = 2 * time.Millisecond
+)
+
+// Run runs the conformance suite for stores whose claims are leases: each
+// subtest calls newStore once for an empty store of its own. newStore
+// should register the store's cleanup with t.Cleanup.
+//
+// The suite covers what each answer of Claim reports, the life of a record
+// from claim to completion or release, expiry of records and leases,
+// Extend, takeovers, ErrLeaseLost for stale lease tokens, concurrent
+// claims and takeovers (exactly one winner), responses kept byte for byte,
+// scopes kept apart, and cancelled contexts.
+func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
+	t.Helper()
+	run(t, newStore, false, []subtest{
+		{"ClaimOutcomes", testClaimOutcomes},
+		{"Lifecycle", testLifecycle},
+		{"ConcurrentClaims", testConcurrentClaims},
+		{"ConcurrentClaimsOfExpiredRecord", testConcurrentClaimsOfExpiredRecord},
+		{"Expiry", testExpiry},
+		{"LeaseExpiry", testLeaseExpiry},
+		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
+		{"Extend", testExtend},
+		{"StaleTokens", testStaleTokens},
+		{"Responses", testResponses},
+		{"Scopes", testScopes},
+		{"CancelledContext", testCancelledContext},
+	})
+}
+
+// RunTransactional runs the conformance suite for stores that hold each
+// claim in an open transaction, carried by [idemserver.ClaimResult.Context]
+// and ended by Complete (commit) or Release (roll back), as
+// [idemserver.Store] describes. It checks what [Run] does, except what
+// needs a lease: such a claim holds until its transaction ends, so it
+// neither expires nor is taken over, Extend succeeds while it is open, and
+// a concurrent claim of it is reported in progress with the claimant's own
+// fingerprint and a lease that has not ended (the uncommitted record cannot
+// be read). Each claim the suite wins is ended before its subtest does.
+func RunTransactional(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
+	t.Helper()
+	run(t, newStore, true, []subtest{
+		{"ClaimOutcomes", testClaimOutcomes},
+		{"Lifecycle", testLifecycle},
+		{"ConcurrentClaims", testConcurrentClaims},
+		{"ConcurrentClaimsOfExpiredRecord", testConcurrentClaimsOfExpiredRecord},
+		{"Expiry", testExpiry},
+		{"Extend", testExtendTransactional},
+		{"StaleTokens", testStaleTokens},
+		{"Responses", testResponses},
+		{"Scopes", testScopes},
+		{"CancelledContext", testCancelledContext},
+	})
+}
+
+type subtest struct {
+	name string
+	run  func(*testing.T, *harness)
+}
+
+func run(t *testing.T, newStore func(t *testing.T) idemserver.Store, tx bool, tests []subtest) {
+	t.Helper()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tt.run(t, &harness{t: t, s: newStore(t), tokens: new(atomic.Int64), tx: tx})
+		})
+	}
+}
+
+// harness makes claims on one store and checks the answers.
+type harness struct {
+	t      *testing.T
+	s      idemserver.Store
+	tokens *atomic.Int64
+	tx     bool // the store holds claims in transactions; see RunTransactional
+}
+
+// sub returns a harness for the subtest t on the same store.
+func (h *harness) sub(t *testing.T) *harness {
+	return &harness{t: t, s: h.s, tokens: h.tokens, tx: h.tx}
+}
+
+// fp returns a fingerprint named by s.
+func fp(s string) idemserver.Fingerprint { return sha256.Sum256([]byte(s)) }
+
+// A lease is a claim a test holds, with the context that ends it.
+type lease struct {
+	c   idemserver.Claim
+	ctx context.Context
+}
+
+// newClaim returns a claim of key with a new token, stamped now, whose
+// lease lasts d.
+func (h *harness) newClaim(key idemserver.Key, f idemserver.Fingerprint, d time.Duration) idemserver.Claim {
+	now := time.Now()
+	return idemserver.Claim{
+		Key:          key,
+		Fingerprint:  f,
+		Token:        "token-" + strconv.FormatInt(h.tokens.Add(1), 10),
+		Now:          now,
+		LeaseExpires: now.Add(d),
+	}
+}
+
+// claim claims key and returns the claim and the store's answer.
+func (h *harness) claim(key idemserver.Key, f idemserver.Fingerprint, d time.Duration) (lease, idemserver.ClaimResult) {
+	h.t.Helper()
+	c := h.newClaim(key, f, d)
+	res, err := h.s.Claim(h.t.Context(), c)
+	require.NoError(h.t, err, "Claim(%v)", key)
+	return h.leaseOf(c, res), res
+}
+
+// leaseOf returns the lease of a successful claim.
+// A claim still held when the test ends is released then, so that a
+// transactional store's transaction ends with it.
+func (h *harness) leaseOf(c idemserver.Claim, res idemserver.ClaimResult) lease {
+	l := lease{c: c, ctx: h.t.Context()}
+	if res.Claimed && res.Context != nil {
+		l.ctx = res.Context
+	}
+	if res.Claimed {
+		h.t.Cleanup(func() { _ = h.release(l) })
+	}
+	return l
+}
+
+// mustClaim claims key and fails the test unless the claim succeeds.
+func (h *harness) mustClaim(key idemserver.Key, f idemserver.Fingerprint, d time.Duration) lease {
+	h.t.Helper()
+	l, res := h.claim(key, f, d)
+	require.True(h.t, res.Claimed, "Claim(%v) should succeed; found %+v", key, res.Record)
+	return l
+}
+
+// complete completes l with resp, kept for d.
+func (h *harness) complete(l lease, resp *idemserver.Response, d time.Duration) error {
+	return h.s.Complete(context.WithoutCancel(l.ctx), l.c.Key, l.c.Token, resp, time.Now().Add(d))
+}
+
+func (h *harness) release(l lease) error {
+	return h.s.Release(context.WithoutCancel(l.ctx), l.c.Key, l.c.Token)
+}
+
+func (h *harness) extend(l lease, d time.Duration) error {
+	return h.s.Extend(context.WithoutCancel(l.ctx), l.c.Key, l.c.Token, time.Now().Add(d))
+}
+
+// expectInProgress checks that claiming key now finds l's claim in
+// progress with a live lease.
+func (h *harness) expectInProgress(key idemserver.Key, l lease) {
+	h.t.Helper()
+	c := h.newClaim(key, fp("other request"), live)
+	res, err := h.s.Claim(h.t.Context(), c)
+	require.NoError(h.t, err)
+	require.False(h.t, res.Claimed, "the key should be in progress")
+	h.assertInProgress(c, l.c, res.Record)
+}
+
+// assertInProgress checks the record that claim c found in progress,
+// holder's claim.
+func (h *harness) assertInProgress(c, holder idemserver.Claim, rec idemserver.Record) {
+	h.t.Helper()
+	assert.False(h.t, rec.Completed(), "the record should be in progress")
+	if h.tx {
+		// The holder's record is not committed: the claimant is told it
+		// is in progress as if it were its own.
+		assert.Equal(h.t, c.Fingerprint, rec.Fingerprint, "fingerprint of an uncommitted claim: the claimant's own")
+	} else {
+		assert.Equal(h.t, holder.Token, rec.Token, "lease token")
+		assert.Equal(h.t, holder.Fingerprint, rec.Fingerprint, "fingerprint")
+	}
+	assert.True(h.t, c.Now.Before(rec.LeaseExpires), "lease should be live: ends %v, now %v", rec.LeaseExpires, c.Now)
+}
+
+// expectReplay checks that claiming key now finds it completed with resp.
+func (h *harness) expectReplay(key idemserver.Key, f idemserver.Fingerprint, resp *idemserver.Response) {
+	h.t.Helper()
+	c := h.newClaim(key, f, live)
+	res, err := h.s.Claim(h.t.Context(), c)
+	require.NoError(h.t, err)
+	require.False(h.t, res.Claimed, "the key should be completed")
+	require.True(h.t, res.Record.Completed(), "the record should hold a response")
+	assert.Equal(h.t, f, res.Record.Fingerprint, "fingerprint")
+	assert.True(h.t, c.Now.Before(res.Record.Expires), "record should be live: expires %v, now %v", res.Record.Expires, c.Now)
+	assertSameResponse(h.t, resp, res.Record.Response)
+}
+
+// expectFree checks that key can be claimed now, and releases the claim.
+func (h *harness) expectFree(key idemserver.Key) {
+	h.t.Helper()
+	l := h.mustClaim(key, fp("probe"), live)
+	require.NoError(h.t, h.release(l))
+}
+
+// waitLeaseExpired polls until claiming key finds l's claim in progress
+// with its lease ended, and returns that answer's record.
+func (h *harness) waitLeaseExpired(key idemserver.Key, l lease) idemserver.Record {
+	h.t.Helper()
+	deadline := time.Now().Add(pollLimit)
+	for {
+		c := h.newClaim(key, l.c.Fingerprint, live)
+		res, err := h.s.Claim(h.t.Context(), c)
+		require.NoError(h.t, err)
+		require.False(h.t, res.Claimed, "Claim must not take over an in-progress record, even one whose lease ended")
+		require.False(h.t, res.Record.Completed())
+		require.Equal(h.t, l.c.Token, res.Record.Token)
+		if !c.Now.Before(res.Record.LeaseExpires) {
+			return res.Record
+		}
+		require.True(h.t, time.Now().Before(deadline), "lease of %v not expired %v after it ended", key, pollLimit)
+		time.Sleep(pollEvery)
+	}
+}
+
+// waitClaimed polls until a claim of key succeeds, and returns it.
+func (h *harness) waitClaimed(key idemserver.Key, f idemserver.Fingerprint) lease {
+	h.t.Helper()
+	deadline := time.Now().Add(pollLimit)
+	for {
+		l, res := h.claim(key, f, live)
+		if res.Claimed {
+			return l
+		}
+		require.True(h.t, time.Now().Before(deadline), "%v not free %v after its record expired", key, pollLimit)
+		time.Sleep(pollEvery)
+	}
+}
+
+// assertSameResponse checks that got is want, byte for byte. A nil and an
+// empty header or body are the same.
+func assertSameResponse(t *testing.T, want, got *idemserver.Response) {
+	t.Helper()
+	require.NotNil(t, got)
+	assert.Equal(t, want.Status, got.Status, "status")
+	assert.Equal(t, want.BodyOmitted, got.BodyOmitted, "body omitted")
+	assert.True(t, bytes.Equal(want.Body, got.Body), "body: want %d bytes, got %d bytes%s", len(want.Body), len(got.Body), bodyDiff(want.Body, got.Body))
+	wantH, gotH := want.Header, got.Header
+	if len(wantH) == 0 {
+		wantH = nil
+	}
+	if len(gotH) == 0 {
+		gotH = nil
+	}
+	assert.Equal(t, wantH, gotH, "header")
+}
+
+// bodyDiff says where two bodies first differ.
+func bodyDiff(a, b []byte) string {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return fmt.Sprintf(", first difference at byte %d", i)
+		}
+	}
+	return ""
+}
+
+// concurrently runs f(i) for i in [0, n) on n goroutines started
+// together, and waits for them.
+func concurrently(n int, f func(i int)) {
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			f(i)
+		})
+	}
+	close(start)
+	wg.Wait()
+}
+
+var created = &idemserver.Response{
+	Status: http.StatusCreated,
+	Header: http.Header{"Content-Type": {"application/json"}, "Location": {"/payments/1"}},
+	Body:   []byte(`{"id":1}`),
+}
+
+func testClaimOutcomes(t *testing.T, h *harness) {
+	key := idemserver.Key{Key: "k"}
+	a, b := fp("request a"), fp("request b")
+
+	// Absent: claimed.
+	first, res := h.claim(key, a, live)
+	require.True(t, res.Claimed, "a key without a record is claimed")
+	assert.Nil(t, res.Record.Response)
+
+	// In progress, with the same fingerprint and with another: the record
+	// is reported with its own fingerprint, token and lease.
+	for _, f := range []idemserver.Fingerprint{a, b} {
+		c := h.newClaim(key, f, live)
+		res, err := h.s.Claim(t.Context(), c)
+		require.NoError(t, err)
+		assert.False(t, res.Claimed)
+		h.assertInProgress(c, first.c, res.Record)
+		assert.True(t, c.Now.Add(live/2).Before(res.Record.LeaseExpires), "lease ends at %v, about an hour after %v", res.Record.LeaseExpires, c.Now)
+		assert.True(t, res.Record.LeaseExpires.Before(c.Now.Add(2*live)), "lease ends at %v, about an hour after %v", res.Record.LeaseExpires, c.Now)
+	}
+
+	// Completed: the response is reported, with the fingerprint and expiry,
+	// whichever fingerprint the claimant has.
+	require.NoError(t, h.complete(first, created, live))
+	for _, f := range []idemserver.Fingerprint{a, b} {
+		c := h.newClaim(key, f, live)
+		res, err := h.s.Claim(t.Context(), c)
+		require.NoError(t, err)
+		assert.False(t, res.Claimed)
+		require.True(t, res.Record.Completed())
+		assert.Equal(t, a, res.Record.Fingerprint)
+		assertSameResponse(t, created, res.Record.Response)
+		assert.True(t, c.Now.Add(live/2).Before(res.Record.Expires), "record expires at %v, about an hour after %v", res.Record.Expires, c.Now)
+		assert.True(t, res.Record.Expires.Before(c.Now.Add(2*live)), "record expires at %v, about an hour after %v", res.Record.Expires, c.Now)
+	}
+
+	// Released: absent again.
+	other := idemserver.Key{Key: "released"}
+	l := h.mustClaim(other, a, live)
+	require.NoError(t, h.release(l))
+	_, res = h.claim(other, b, live)
+	assert.True(t, res.Claimed, "a released key is claimed again, by any request")
+}
+
+func testLifecycle(t *testing.T, h *harness) {
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+
+	l1 := h.mustClaim(key, f, live)
+	h.expectInProgress(key, l1)
+	require.NoError(t, h.release(l1))
+	h.expectFree(key)
+
+	l2 := h.mustClaim(key, f, live)
+	assert.ErrorIs(t, h.complete(l1, created, live), idemserver.ErrLeaseLost, "the released claim's token cannot complete the new one")
+	h.expectInProgress(key, l2)
+	require.NoError(t, h.complete(l2, created, live))
+	h.expectReplay(key, f, created)
+
+	other := &idemserver.Response{Status: http.StatusOK, Body: []byte("other")}
+	assert.ErrorIs(t, h.complete(l2, other, live), idemserver.ErrLeaseLost, "completing twice")
+	assert.ErrorIs(t, h.release(l2), idemserver.ErrLeaseLost, "releasing a completed record")
+	assert.ErrorIs(t, h.extend(l2, live), idemserver.ErrLeaseLost, "extending a completed record")
+	h.expectReplay(key, f, created)
+}
+
+func testConcurrentClaims(t *testing.T, h *harness) {
+	const n = 200
+	key := idemserver.Key{Key: "contended"}
+	f := fp("request")
+	claims := make([]idemserver.Claim, n)
+	results := make([]idemserver.ClaimResult, n)
+	errs := make([]error, n)
+	for i := range claims {
+		claims[i] = h.newClaim(key, f, live)
+	}
+	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
+	winner := h.assertOneWinner(claims, results, errs)
+	if winner < 0 {
+		return
+	}
+	l := h.leaseOf(claims[winner], results[winner])
+	h.expectInProgress(key, l)
+	require.NoError(t, h.complete(l, created, live))
+	h.expectReplay(key, f, created)
+}
+
+// assertOneWinner checks that exactly one of the concurrent claims
+// succeeded, and that every other found the winner's claim in progress. It
+// returns the winner's index, or -1.
+func (h *harness) assertOneWinner(claims []idemserver.Claim, results []idemserver.ClaimResult, errs []error) int {
+	t := h.t
+	t.Helper()
+	winner, winners := -1, 0
+	for i, res := range results {
+		require.NoError(t, errs[i], "claim %d", i)
+		if res.Claimed {
+			winner = i
+			winners++
+		}
+	}
+	require.Equal(t, 1, winners, "exactly one of %d concurrent claims wins", len(claims))
+	for i, res := range results {
+		if i == winner {
+			continue
+		}
+		h.assertInProgress(claims[i], claims[winner], res.Record)
+	}
+	h.leaseOf(claims[winner], results[winner]) // ended when the test ends
+	return winner
+}
+
+func testConcurrentClaimsOfExpiredRecord(t *testing.T, h *harness) {
+	// A completed record that expired is reclaimed by exactly one claim.
+	key, marker := idemserver.Key{Key: "expired"}, idemserver.Key{Key: "marker"}
+	f := fp("request")
+	require.NoError(t, h.complete(h.mustClaim(key, f, live), created, short))
+	// The marker expires after the key, whatever the store's clock; once it
+	// has, so has the key.
+	require.NoError(t, h.complete(h.mustClaim(marker, f, live), created, short+100*time.Millisecond))
+	h.waitClaimed(marker, f)
+
+	const n = 200
+	claims := make([]idemserver.Claim, n)
+	results := make([]idemserver.ClaimResult, n)
+	errs := make([]error, n)
+	for i := range claims {
+		claims[i] = h.newClaim(key, fp("new request"), live)
+	}
+	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
+	winner := h.assertOneWinner(claims, results, errs)
+	if winner < 0 {
+		return
+	}
+	h.expectInProgress(key, h.leaseOf(claims[winner], results[winner]))
+}
+
+func testExpiry(t *testing.T, h *harness) {
+	f := fp("request")
+	kept, expiring := idemserver.Key{Key: "kept"}, idemserver.Key{Key: "expiring"}
+	require.NoError(t, h.complete(h.mustClaim(kept, f, live), created, live))
+	require.NoError(t, h.complete(h.mustClaim(expiring, f, live), created, short))
+
+	// An expired record counts as absent, even for a different request.
+	l := h.waitClaimed(expiring, fp("a different request"))
+	h.expectInProgress(expiring, l)
+	h.expectReplay(kept, f, created)
+}
+
+func testLeaseExpiry(t *testing.T, h *harness) {
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	dead := h.mustClaim(key, f, short)
+	rec := h.waitLeaseExpired(key, dead)
+	assert.Equal(t, f, rec.Fingerprint)
+
+	// A lease that has not ended is never taken over, even with its token:
+	// its holder may have extended it after the caller saw it end.
+	holder := h.mustClaim(idemserver.Key{Key: "live"}, f, live)
+	res, err := h.s.TakeOver(t.Context(), h.newClaim(holder.c.Key, f, live), holder.c.Token)
+	require.NoError(t, err)
+	assert.False(t, res.Claimed, "TakeOver of a live lease")
+	h.expectInProgress(holder.c.Key, holder)
+
+	// TakeOver names the expired token: a wrong one takes nothing.
+	c := h.newClaim(key, f, live)
+	res, err = h.s.TakeOver(t.Context(), c, "not-the-token")
+	require.NoError(t, err)
+	assert.False(t, res.Claimed, "TakeOver with a token the record does not hold")
+	assert.Equal(t, dead.c.Token, res.Record.Token)
+
+	c = h.newClaim(key, f, live)
+	res, err = h.s.TakeOver(t.Context(), c, dead.c.Token)
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "TakeOver of an expired lease")
+	taken := h.leaseOf(c, res)
+	h.expectInProgress(key, taken)
+
+	// The dead handler's token no longer holds.
+	assert.ErrorIs(t, h.complete(dead, created, live), idemserver.ErrLeaseLost)
+	assert.ErrorIs(t, h.extend(dead, live), idemserver.ErrLeaseLost)
+	assert.ErrorIs(t, h.release(dead), idemserver.ErrLeaseLost)
+	h.expectInProgress(key, taken)
+	require.NoError(t, h.complete(taken, created, live))
+	h.expectReplay(key, f, created)
+
+	// TakeOver of a key that is absent claims it, as Claim does.
+	absent := idemserver.Key{Key: "absent"}
+	c = h.newClaim(absent, f, live)
+	res, err = h.s.TakeOver(t.Context(), c, "gone")
+	require.NoError(t, err)
+	assert.True(t, res.Claimed, "TakeOver of an absent key claims it")
+
+	// TakeOver of a completed key reports it.
+	c = h.newClaim(key, f, live)
+	res, err = h.s.TakeOver(t.Context(), c, taken.c.Token)
+	require.NoError(t, err)
+	assert.False(t, res.Claimed, "TakeOver of a completed key")
+	require.True(t, res.Record.Completed())
+	assertSameResponse(t, created, res.Record.Response)
+}
+
+func testConcurrentTakeOvers(t *testing.T, h *harness) {
+	const n = 100
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	dead := h.mustClaim(key, f, short)
+	h.waitLeaseExpired(key, dead)
+
+	claims := make([]idemserver.Claim, n)
+	results := make([]idemserver.ClaimResult, n)
+	errs := make([]error, n)
+	for i := range claims {
+		claims[i] = h.newClaim(key, f, live)
+	}
+	concurrently(n, func(i int) { results[i], errs[i] = h.s.TakeOver(t.Context(), claims[i], dead.c.Token) })
+	winner := h.assertOneWinner(claims, results, errs)
+	if winner < 0 {
+		return
+	}
+	l := h.leaseOf(claims[winner], results[winner])
+	h.expectInProgress(key, l)
+	assert.ErrorIs(t, h.complete(dead, created, live), idemserver.ErrLeaseLost)
+	require.NoError(t, h.complete(l, created, live))
+	h.expectReplay(key, f, created)
+}
+
+func testExtend(t *testing.T, h *harness) {
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+
+	// A lease that has ended, extended before anyone took it over, is live
+	// again: Claim reports it live, with the new end.
+	l := h.mustClaim(key, f, short)
+	h.waitLeaseExpired(key, l)
+	require.NoError(t, h.extend(l, live))
+	h.expectInProgress(key, l)
+	require.NoError(t, h.extend(l, live), "extending again")
+	h.expectInProgress(key, l)
+
+	// A lease shortened to end at once ends.
+	require.NoError(t, h.extend(l, 0))
+	h.waitLeaseExpired(key, l)
+	require.NoError(t, h.extend(l, live))
+
+	// Extending changes nothing else: the claim completes as usual.
+	require.NoError(t, h.complete(l, created, live))
+	h.expectReplay(key, f, created)
+}
+
+func testExtendTransactional(t *testing.T, h *harness) {
+	// A claim holds while its transaction is open: Extend succeeds, and
+	// changes nothing.
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	l := h.mustClaim(key, f, short)
+	require.NoError(t, h.extend(l, live))
+	require.NoError(t, h.extend(l, 0))
+	h.expectInProgress(key, l)
+	require.NoError(t, h.complete(l, created, live))
+	assert.ErrorIs(t, h.extend(l, live), idemserver.ErrLeaseLost, "extending a completed claim")
+	h.expectReplay(key, f, created)
+}
+
+func testStaleTokens(t *testing.T, h *harness) {
+	f := fp("request")
+	ops := []struct {
+		name string
+		do   func(*harness, lease) error
+	}{
+		{"Complete", func(h *harness, l lease) error { return h.complete(l, created, live) }},
+		{"Release", (*harness).release},
+		{"Extend", func(h *harness, l lease) error { return h.extend(l, live) }},
+	}
+	for _, tt := range []struct {
+		name string
+		// setup returns the stale lease, and the live one that holds the
+		// key (zero if none), in a fresh key.
+		setup func(h *harness, key idemserver.Key) (stale, holder lease)
+	}{
+		{"wrong token", func(h *harness, key idemserver.Key) (lease, lease) {
+			l := h.mustClaim(key, f, live)
+			stale := l
+			stale.c.Token = "wrong"
+			return stale, l
+		}},
+		{"absent key", func(h *harness, key idemserver.Key) (lease, lease) {
+			return lease{c: h.newClaim(key, f, live), ctx: h.t.Context()}, lease{}
+		}},
+		{"released", func(h *harness, key idemserver.Key) (lease, lease) {
+			l := h.mustClaim(key, f, live)
+			require.NoError(h.t, h.release(l))
+			return l, lease{}
+		}},
+		{"released and claimed again", func(h *harness, key idemserver.Key) (lease, lease) {
+			l := h.mustClaim(key, f, live)
+			require.NoError(h.t, h.release(l))
+			return l, h.mustClaim(key, f, live)
+		}},
+		{"taken over", func(h *harness, key idemserver.Key) (lease, lease) {
+			l := h.mustClaim(key, f, short)
+			h.waitLeaseExpired(key, l)
+			c := h.newClaim(key, f, live)
+			res, err := h.s.TakeOver(h.t.Context(), c, l.c.Token)
+			require.NoError(h.t, err)
+			require.True(h.t, res.Claimed)
+			return l, h.leaseOf(c, res)
+		}},
+	} {
+		if h.tx && tt.name == "taken over" {
+			continue // no leases to take over
+		}
+		for _, o := range ops {
+			t.Run(tt.name+"/"+o.name, func(t *testing.T) {
+				h := h.sub(t)
+				key := idemserver.Key{Key: tt.name + "/" + o.name}
+				stale, holder := tt.setup(h, key)
+				assert.ErrorIs(t, o.do(h, stale), idemserver.ErrLeaseLost)
+				// Nothing changed: the holder still holds the key, or
+				// it is still free.
+				if holder.c.Token == "" {
+					h.expectFree(key)
+					return
+				}
+				h.expectInProgress(key, holder)
+				require.NoError(t, h.complete(holder, created, live))
+				h.expectReplay(key, f, created)
+			})
+		}
+	}
+}
+
+func testResponses(t *testing.T, h *harness) {
+	big := make([]byte, 1<<20)
+	for i := range big {
+		big[i] = byte(i * 7 % 251)
+	}
+	allBytes := make([]byte, 256)
+	for i := range allBytes {
+		allBytes[i] = byte(i)
+	}
+	manyFields := make(http.Header)
+	for i := range 100 {
+		manyFields["X-Field-"+strconv.Itoa(i)] = []string{strconv.Itoa(i), ""}
+	}
+	for _, tt := range []struct {
+		name string
+		resp *idemserver.Response
+	}{
+		{"status only", &idemserver.Response{Status: http.StatusNoContent}},
+		{"empty body with fields", &idemserver.Response{Status: http.StatusOK, Header: http.Header{"Content-Length": {"0"}}}},
+		{"multi-valued fields", &idemserver.Response{Status: http.StatusCreated, Header: http.Header{
+			"Link":         {"</a>; rel=next", "</b>; rel=prev", "</c>; rel=last"},
+			"Vary":         {"Accept", "Accept-Encoding"},
+			"X-Empty":      {""},
+			"X-Unicode":    {"grüße, 世界"},
+			"Content-Type": {"application/json; charset=utf-8"},
+		}, Body: []byte(`{"ok":true}`)}},
+		{"many fields", &idemserver.Response{Status: http.StatusAccepted, Header: manyFields}},
+		{"every byte value", &idemserver.Response{Status: http.StatusOK, Body: allBytes}},
+		{"1 MiB body", &idemserver.Response{Status: http.StatusOK, Header: http.Header{"Content-Type": {"application/octet-stream"}}, Body: big}},
+		{"body omitted", &idemserver.Response{Status: http.StatusCreated, Header: http.Header{"Location": {"/big/1"}}, BodyOmitted: true}},
+		{"client error", &idemserver.Response{Status: http.StatusNotFound, Body: []byte("no such account")}},
+		{"unusual status", &idemserver.Response{Status: 299, Body: []byte("x")}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := h.sub(t)
+			key := idemserver.Key{Key: "response/" + tt.name}
+			f := fp(tt.name)
+			want := cloneResponse(tt.resp)
+			require.NoError(t, h.complete(h.mustClaim(key, f, live), tt.resp, live))
+			// Twice: a replay does not change what the next one gets.
+			h.expectReplay(key, f, want)
+			h.expectReplay(key, f, want)
+		})
+	}
+}
+
+// cloneResponse returns a deep copy of r.
+func cloneResponse(r *idemserver.Response) *idemserver.Response {
+	c := *r
+	c.Header = r.Header.Clone()
+	c.Body = bytes.Clone(r.Body)
+	return &c
+}
+
+func testScopes(t *testing.T, h *harness) {
+	f := fp("request")
+	// Pairs of keys that must stay apart, including pairs whose scope and
+	// key would be equal if simply joined.
+	for _, tt := range []struct {
+		name string
+		a, b idemserver.Key
+	}{
+		{"same key, two scopes", idemserver.Key{Scope: "tenant-a", Key: "k"}, idemserver.Key{Scope: "tenant-b", Key: "k"}},
+		{"scope and no scope", idemserver.Key{Scope: "", Key: "k"}, idemserver.Key{Scope: "t", Key: "k"}},
+		{"split moves", idemserver.Key{Scope: "ab", Key: "c"}, idemserver.Key{Scope: "a", Key: "bc"}},
+		{"separator in the scope", idemserver.Key{Scope: "a:b", Key: "c"}, idemserver.Key{Scope: "a", Key: "b:c"}},
+		{"NUL in the scope", idemserver.Key{Scope: "a\x00", Key: "b"}, idemserver.Key{Scope: "a", Key: "b"}},
+		{"bytes that are not UTF-8", idemserver.Key{Scope: "\xff\xfe", Key: "k"}, idemserver.Key{Scope: "\xff\xfd", Key: "k"}},
+		{"longest key", idemserver.Key{Scope: "s", Key: strings.Repeat("k", idemserver.MaxKeyLen)}, idemserver.Key{Scope: "s", Key: strings.Repeat("k", idemserver.MaxKeyLen-1) + "j"}},
+		{"case", idemserver.Key{Scope: "Tenant", Key: "K"}, idemserver.Key{Scope: "tenant", Key: "k"}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := h.sub(t)
+			la := h.mustClaim(tt.a, f, live)
+			lb := h.mustClaim(tt.b, f, live)
+			ra := &idemserver.Response{Status: http.StatusCreated, Body: []byte("a")}
+			rb := &idemserver.Response{Status: http.StatusCreated, Body: []byte("b")}
+			// A token is no passport into another scope.
+			cross := la
+			cross.c.Key = tt.b
+			assert.ErrorIs(t, h.complete(cross, ra, live), idemserver.ErrLeaseLost)
+			assert.ErrorIs(t, h.release(cross), idemserver.ErrLeaseLost)
+			require.NoError(t, h.complete(la, ra, live))
+			h.expectInProgress(tt.b, lb)
+			require.NoError(t, h.complete(lb, rb, live))
+			h.expectReplay(tt.a, f, ra)
+			h.expectReplay(tt.b, f, rb)
+		})
+	}
+}
+
+func testCancelledContext(t *testing.T, h *harness) {
+	f := fp("request")
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+
+	// Claim and TakeOver fail, and claim nothing.
+	key := idemserver.Key{Key: "claim"}
+	_, err := h.s.Claim(ctx, h.newClaim(key, f, live))
+	require.Error(t, err, "Claim with a cancelled context")
+	h.expectFree(key)
+	if !h.tx {
+		l := h.mustClaim(key, f, short)
+		h.waitLeaseExpired(key, l)
+		_, err = h.s.TakeOver(ctx, h.newClaim(key, f, live), l.c.Token)
+		require.Error(t, err, "TakeOver with a cancelled context")
+		// The lease still holds l's token: the failed TakeOver took nothing.
+		rec := h.waitLeaseExpired(key, l)
+		assert.Equal(t, l.c.Token, rec.Token)
+	}
+
+	// Complete, Release and Extend either fail and change nothing, or
+	// succeed: never something in between.
+	for _, tt := range []struct {
+		name string
+		do   func(lease) error
+		// done checks the key after the call succeeded.
+		done func(*harness, idemserver.Key, lease)
+	}{
+		{"Complete", func(l lease) error {
+			return h.s.Complete(ctx, l.c.Key, l.c.Token, created, time.Now().Add(live))
+		}, func(h *harness, key idemserver.Key, _ lease) { h.expectReplay(key, f, created) }},
+		{"Release", func(l lease) error {
+			return h.s.Release(ctx, l.c.Key, l.c.Token)
+		}, func(h *harness, key idemserver.Key, _ lease) { h.expectFree(key) }},
+		{"Extend", func(l lease) error {
+			return h.s.Extend(ctx, l.c.Key, l.c.Token, time.Now().Add(live))
+		}, func(h *harness, key idemserver.Key, l lease) { h.expectInProgress(key, l) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := h.sub(t)
+			key := idemserver.Key{Key: "cancelled/" + tt.name}
+			l := h.mustClaim(key, f, live)
+			if tt.do(l) == nil {
+				tt.done(h, key, l)
+				return
+			}
+			h.expectInProgress(key, l)
+			require.NoError(t, h.complete(l, created, live))
+			h.expectReplay(key, f, created)
+		})
+	}
+}

@@ -1,0 +1,229 @@
+package storetest_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+	"github.com/idemhttp/idemhttp/idemserver/storetest"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// broken wraps a MemoryStore and breaks one rule of the Store contract. It
+// holds the MemoryStore in a named field, so that the middleware does not
+// see the MemoryStore's PackedStore methods, which would bypass the
+// broken ones.
+type broken struct {
+	MemoryStore *idemserver.MemoryStore
+	claim    func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error)
+	takeOver func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error)
+	complete func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error
+	extend   func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error
+}
+
+func (b *broken) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	if b.claim != nil {
+		return b.claim(b.MemoryStore, ctx, c)
+	}
+	return b.MemoryStore.Claim(ctx, c)
+}
+
+func (b *broken) TakeOver(ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+	if b.takeOver != nil {
+		return b.takeOver(b.MemoryStore, ctx, c, token)
+	}
+	return b.MemoryStore.TakeOver(ctx, c, token)
+}
+
+func (b *broken) Complete(ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+	if b.complete != nil {
+		return b.complete(b.MemoryStore, ctx, k, token, resp, exp)
+	}
+	return b.MemoryStore.Complete(ctx, k, token, resp, exp)
+}
+
+func (b *broken) Release(ctx context.Context, k idemserver.Key, token string) error {
+	return b.MemoryStore.Release(ctx, k, token)
+}
+
+func (b *broken) Extend(ctx context.Context, k idemserver.Key, token string, exp time.Time) error {
+	if b.extend != nil {
+		return b.extend(b.MemoryStore, ctx, k, token, exp)
+	}
+	return b.MemoryStore.Extend(ctx, k, token, exp)
+}
+
+// brokenStores are stores that each break one rule, with the subtests of
+// the suite that must catch it.
+var brokenStores = map[string]struct {
+	store func(b *broken)
+	fails []string
+}{
+	"claims in-progress keys": {
+		store: func(b *broken) {
+			b.claim = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				res, err := s.Claim(ctx, c)
+				if err == nil && !res.Claimed && !res.Record.Completed() {
+					return idemserver.ClaimResult{Claimed: true}, nil
+				}
+				return res, err
+			}
+		},
+		fails: []string{"Run/ClaimOutcomes", "Run/ConcurrentClaims", "HTTP/ConcurrentDuplicates"},
+	},
+	"accepts stale tokens": {
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				res, err := s.Claim(ctx, idemserver.Claim{Key: k, Now: time.Now()})
+				if err == nil && !res.Claimed && !res.Record.Completed() {
+					token = res.Record.Token
+				}
+				return s.Complete(ctx, k, token, resp, exp)
+			}
+		},
+		fails: []string{"Run/StaleTokens/wrong_token/Complete", "Run/LeaseExpiry"},
+	},
+	"never expires": {
+		store: func(b *broken) {
+			b.claim = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				c.Now = time.Time{}
+				return s.Claim(ctx, c)
+			}
+		},
+		fails: []string{"Run/Expiry", "Run/ConcurrentClaimsOfExpiredRecord"},
+	},
+	"truncates bodies": {
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				r := *resp
+				r.Body = r.Body[:min(len(r.Body), 64<<10)]
+				return s.Complete(ctx, k, token, &r, exp)
+			}
+		},
+		fails: []string{"Run/Responses/1_MiB_body", "HTTP/LargeResponse"},
+	},
+	"drops repeated header values": {
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				r := *resp
+				r.Header = resp.Header.Clone()
+				for name, vs := range r.Header {
+					r.Header[name] = vs[:1]
+				}
+				return s.Complete(ctx, k, token, &r, exp)
+			}
+		},
+		fails: []string{"Run/Responses/multi-valued_fields", "HTTP/ExecutesOnceAndReplays"},
+	},
+	"joins scope and key": {
+		store: func(b *broken) {
+			join := func(k idemserver.Key) idemserver.Key { return idemserver.Key{Key: k.Scope + k.Key} }
+			b.claim = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				c.Key = join(c.Key)
+				return s.Claim(ctx, c)
+			}
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				return s.Complete(ctx, join(k), token, resp, exp)
+			}
+		},
+		fails: []string{"Run/Scopes/split_moves"},
+	},
+	"ignores cancellation": {
+		store: func(b *broken) {
+			b.claim = func(s *idemserver.MemoryStore, _ context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				return s.Claim(context.Background(), c)
+			}
+		},
+		fails: []string{"Run/CancelledContext"},
+	},
+	"does not extend": {
+		store: func(b *broken) {
+			b.extend = func(*idemserver.MemoryStore, context.Context, idemserver.Key, string, time.Time) error { return nil }
+		},
+		fails: []string{"Run/Extend", "Run/StaleTokens/released/Extend"},
+	},
+	"takes over any lease": {
+		store: func(b *broken) {
+			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, _ string) (idemserver.ClaimResult, error) {
+				res, err := s.Claim(ctx, c)
+				if err != nil || res.Claimed || res.Record.Completed() {
+					return res, err
+				}
+				// As if the lease had ended, whenever it ends.
+				c.Now = res.Record.LeaseExpires
+				return s.TakeOver(ctx, c, res.Record.Token)
+			}
+		},
+		fails: []string{"Run/LeaseExpiry", "Run/ConcurrentTakeOvers"},
+	},
+}
+
+// TestBrokenStore runs the suites against one broken store, named by
+// STORETEST_BROKEN, in the subprocess TestSuiteCatchesBrokenStores starts.
+func TestBrokenStore(t *testing.T) {
+	name := os.Getenv("STORETEST_BROKEN")
+	if name == "" {
+		t.Skip("run by TestSuiteCatchesBrokenStores")
+	}
+	newStore := func(t *testing.T) idemserver.Store {
+		b := &broken{MemoryStore: idemserver.NewMemoryStore()}
+		brokenStores[name].store(b)
+		t.Cleanup(func() { _ = b.MemoryStore.Close() })
+		return b
+	}
+	t.Run("Run", func(t *testing.T) { storetest.Run(t, newStore) })
+	t.Run("HTTP", func(t *testing.T) { storetest.RunHTTP(t, newStore) })
+}
+
+func TestSuiteCatchesBrokenStores(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs the suites once per broken store")
+	}
+	exe, err := os.Executable()
+	require.NoError(t, err)
+	for name, tt := range brokenStores {
+		t.Run(name, func(t *testing.T) {
+			cmd := exec.CommandContext(t.Context(), exe, "-test.run=^TestBrokenStore$", "-test.v")
+			cmd.Env = append(os.Environ(), "STORETEST_BROKEN="+name)
+			out, err := cmd.CombinedOutput()
+			require.Error(t, err, "the suites pass a store that %s:\n%s", name, out)
+			for _, sub := range tt.fails {
+				assert.True(t, strings.Contains(string(out), "--- FAIL: TestBrokenStore/"+sub+" "),
+					"a store that %s should fail %s", name, sub)
+			}
+			if t.Failed() {
+				t.Logf("output:\n%s", tail(string(out), 4000))
+			}
+		})
+	}
+}
+
+// TestSuitePassesMemoryStore is the control: the same suites pass the
+// store that breaks nothing.
+func TestSuitePassesMemoryStore(t *testing.T) {
+	newStore := func(t *testing.T) idemserver.Store {
+		s := idemserver.NewMemoryStore()
+		t.Cleanup(func() { _ = s.Close() })
+		return s
+	}
+	t.Run("Run", func(t *testing.T) { storetest.Run(t, newStore) })
+	t.Run("HTTP", func(t *testing.T) { storetest.RunHTTP(t, newStore) })
+}
+
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return "..." + s[strings.LastIndexByte(s[:len(s)-n], '\n')+1:]
+}

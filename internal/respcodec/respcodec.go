@@ -1,0 +1,244 @@
+// Package respcodec is the compact binary form in which shared stores (a
+// database's bytea, a Redis string) keep an [idemserver.Response].
+//
+// The first byte is the format version, so that a later release reads what
+// an earlier one wrote. Version 1:
+//
+//	version  one byte, 1
+//	status   uvarint
+//	flags    one byte; bit 0: the body was omitted; other bits are zero
+//	fields   uvarint count of header fields, then per field: uvarint
+//	         len(name), name, uvarint count of values, then per value
+//	         uvarint len(value), value
+//	body     uvarint len(body), body; nothing follows
+//
+// Decode refuses what it cannot read with certainty: an encoding of a
+// version it does not know fails with an error wrapping [ErrUnknownVersion]
+// (written by a newer release; a store reports it, and the middleware
+// answers 503 rather than replay something it misread), and a damaged one
+// with an error wrapping [ErrCorrupt]. It never returns a response that
+// differs from the one encoded.
+package respcodec
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/http"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// Version is the format version that [Append] writes.
+const Version = 1
+
+// Errors of [Decode]. Use errors.Is to test for them.
+var (
+	// ErrUnknownVersion means the encoding has a format version that this
+	// release cannot read.
+	ErrUnknownVersion = errors.New("respcodec: unknown format version")
+	// ErrCorrupt means the encoding is not a valid one of its version.
+	ErrCorrupt = errors.New("respcodec: corrupt encoding")
+)
+
+const flagOmitted = 1
+
+// Size returns the length of the encoding of resp.
+func Size(resp *idemserver.Response) int {
+	n := 1 + uvarintLen(uint64(resp.Status)) + 1 + uvarintLen(uint64(len(resp.Header)))
+	for name, values := range resp.Header {
+		n += uvarintLen(uint64(len(name))) + len(name) + uvarintLen(uint64(len(values)))
+		for _, v := range values {
+			n += uvarintLen(uint64(len(v))) + len(v)
+		}
+	}
+	body := len(resp.Body)
+	if resp.BodyOmitted {
+		body = 0
+	}
+	return n + uvarintLen(uint64(body)) + body
+}
+
+// Append appends the encoding of resp to b and returns the extended
+// buffer. The body of a response whose BodyOmitted is set is not encoded.
+func Append(b []byte, resp *idemserver.Response) []byte {
+	b = append(b, Version)
+	b = binary.AppendUvarint(b, uint64(resp.Status))
+	flags := byte(0)
+	if resp.BodyOmitted {
+		flags |= flagOmitted
+	}
+	b = append(b, flags)
+	b = binary.AppendUvarint(b, uint64(len(resp.Header)))
+	for name, values := range resp.Header {
+		b = appendString(b, name)
+		b = binary.AppendUvarint(b, uint64(len(values)))
+		for _, v := range values {
+			b = appendString(b, v)
+		}
+	}
+	if resp.BodyOmitted {
+		return append(b, 0)
+	}
+	b = binary.AppendUvarint(b, uint64(len(resp.Body)))
+	return append(b, resp.Body...)
+}
+
+// Encode returns the encoding of resp.
+func Encode(resp *idemserver.Response) []byte {
+	return Append(make([]byte, 0, Size(resp)), resp)
+}
+
+// Decode returns the response that b encodes. The response's body shares
+// b's memory; its header names and values share one new string. A response
+// without header fields has a nil Header, and one without a body a nil Body.
+func Decode(b []byte) (*idemserver.Response, error) {
+	if len(b) == 0 {
+		return nil, fmt.Errorf("%w: empty", ErrCorrupt)
+	}
+	if b[0] != Version {
+		return nil, fmt.Errorf("%w %d (this release reads version %d)", ErrUnknownVersion, b[0], Version)
+	}
+	d := decoder{b: b, i: 1}
+	status := d.uvarint()
+	if d.err == nil && (status < 100 || status > 999) {
+		d.fail("status %d", status)
+	}
+	flags := d.byte()
+	if d.err == nil && flags&^flagOmitted != 0 {
+		d.fail("unknown flags %#x", flags)
+	}
+	nfields := d.count(2) // a field takes at least two bytes
+	if d.err != nil {
+		return nil, d.err
+	}
+	resp := &idemserver.Response{Status: int(status), BodyOmitted: flags&flagOmitted != 0}
+	if nfields > 0 {
+		// The names and values become substrings of one string.
+		start := d.i
+		var nvalues int
+		for range nfields {
+			d.bytes()
+			n := d.count(1)
+			nvalues += n
+			for range n {
+				d.bytes()
+			}
+		}
+		if d.err != nil {
+			return nil, d.err
+		}
+		s := string(b[start:d.i])
+		all := make([]string, nvalues)
+		resp.Header = make(http.Header, nfields)
+		d = decoder{b: b, i: start}
+		str := func() string {
+			n := int(d.uvarint())
+			v := s[d.i-start : d.i-start+n]
+			d.i += n
+			return v
+		}
+		for range nfields {
+			name := str()
+			n := int(d.uvarint())
+			values := all[:n:n]
+			all = all[n:]
+			for j := range values {
+				values[j] = str()
+			}
+			if _, dup := resp.Header[name]; dup {
+				return nil, fmt.Errorf("%w: field %q twice", ErrCorrupt, name)
+			}
+			resp.Header[name] = values
+		}
+	}
+	n := d.uvarint()
+	switch {
+	case d.err != nil:
+		return nil, d.err
+	case n != uint64(len(b)-d.i):
+		return nil, fmt.Errorf("%w: body of %d bytes in %d remaining", ErrCorrupt, n, len(b)-d.i)
+	case n > 0 && resp.BodyOmitted:
+		return nil, fmt.Errorf("%w: a body, and the flag that says it was omitted", ErrCorrupt)
+	case n > 0:
+		resp.Body = b[d.i:len(b):len(b)]
+	}
+	return resp, nil
+}
+
+// decoder reads b from i; the first error sticks and makes every later
+// read return zero.
+type decoder struct {
+	b   []byte
+	i   int
+	err error
+}
+
+func (d *decoder) fail(format string, args ...any) {
+	if d.err == nil {
+		d.err = fmt.Errorf("%w: %s at byte %d", ErrCorrupt, fmt.Sprintf(format, args...), d.i)
+	}
+}
+
+func (d *decoder) uvarint() uint64 {
+	if d.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(d.b[d.i:])
+	if n <= 0 || n != uvarintLen(v) {
+		// Only the shortest form is valid, so that each response has one
+		// encoding (up to the order of its fields).
+		d.fail("bad uvarint")
+		return 0
+	}
+	d.i += n
+	return v
+}
+
+func (d *decoder) byte() byte {
+	if d.err != nil {
+		return 0
+	}
+	if d.i >= len(d.b) {
+		d.fail("truncated")
+		return 0
+	}
+	c := d.b[d.i]
+	d.i++
+	return c
+}
+
+// count reads a count of items that take at least min bytes each, and
+// fails if the rest of the encoding cannot hold that many.
+func (d *decoder) count(min int) int {
+	v := d.uvarint()
+	if d.err == nil && v > uint64((len(d.b)-d.i)/min) {
+		d.fail("count %d larger than the encoding", v)
+		return 0
+	}
+	return int(v)
+}
+
+// bytes skips a length-prefixed string.
+func (d *decoder) bytes() {
+	n := d.uvarint()
+	if d.err == nil && n > uint64(len(d.b)-d.i) {
+		d.fail("length %d past the end", n)
+		return
+	}
+	d.i += int(n)
+}
+
+func appendString(b []byte, s string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(s)))
+	return append(b, s...)
+}
+
+func uvarintLen(v uint64) int {
+	n := 1
+	for v >= 0x80 {
+		v >>= 7
+		n++
+	}
+	return n
+}
