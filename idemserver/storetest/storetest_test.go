@@ -26,10 +26,10 @@ func TestMain(m *testing.M) {
 // broken ones.
 type broken struct {
 	MemoryStore *idemserver.MemoryStore
-	claim    func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error)
-	takeOver func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error)
-	complete func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error
-	extend   func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error
+	claim       func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error)
+	takeOver    func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error)
+	complete    func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error
+	extend      func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error
 }
 
 func (b *broken) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
