@@ -29,9 +29,9 @@ var ErrUnexpectedReply = errors.New("redisstore: unexpected reply")
 // Store is an [idemserver.Store] that keeps records in Redis. See the
 // package documentation for the model; a Store is safe for concurrent use.
 type Store struct {
-	client                            redis.UniversalClient
-	prefix                            string
-	now                               func() time.Time
+	client                           redis.UniversalClient
+	prefix                           string
+	now                              func() time.Time
 	claim, complete, release, extend *redis.Script
 }
 
