@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -56,16 +57,35 @@ func created(run int64, w http.ResponseWriter) {
 	fmt.Fprintf(w, "run %d", run)
 }
 
+// counted is a server with the middleware over a store whose round trips
+// are counted. Its handler answers 201, or 500 to a request with X-Fail.
+type counted struct {
+	rt    *counter
+	c     *redis.Client
+	store *redisstore.Store
+	srv   *httptest.Server
+	runs  atomic.Int64
+}
+
+func newCounted(t *testing.T) *counted {
+	x := &counted{rt: new(counter)}
+	x.c = newClient(t, x.rt)
+	x.store = redisstore.New(x.c, redisstore.WithPrefix(newPrefix(t, x.c)))
+	x.srv = httptest.NewServer(idemserver.Middleware(x.store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("X-Fail") != "" {
+			http.Error(w, "failed", http.StatusInternalServerError)
+			return
+		}
+		created(x.runs.Add(1), w)
+	})))
+	t.Cleanup(x.srv.Close)
+	return x
+}
+
 func TestRoundTrips(t *testing.T) {
 	// Each path of the middleware costs one round trip per store call.
-	var rt counter
-	c := newClient(t, &rt)
-	store := redisstore.New(c, redisstore.WithPrefix(newPrefix(t, c)))
-	var runs atomic.Int64
-	srv := httptest.NewServer(idemserver.Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		created(runs.Add(1), w)
-	})))
-	defer srv.Close()
+	x := newCounted(t)
+	rt, store, srv := x.rt, x.store, x.srv
 	// The first call of each script on a server costs one more round trip
 	// (EVALSHA answered NOSCRIPT, then EVAL, which loads it): call each
 	// once.
@@ -128,18 +148,8 @@ func TestScriptFlush(t *testing.T) {
 	// With the script cache flushed, each script costs one more round trip
 	// (EVALSHA answered NOSCRIPT, then EVAL, which loads it again) and
 	// then one again.
-	var rt counter
-	c := newClient(t, &rt)
-	store := redisstore.New(c, redisstore.WithPrefix(newPrefix(t, c)))
-	var runs atomic.Int64
-	srv := httptest.NewServer(idemserver.Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Header.Get("X-Fail") != "" {
-			http.Error(w, "failed", http.StatusInternalServerError)
-			return
-		}
-		created(runs.Add(1), w)
-	})))
-	defer srv.Close()
+	x := newCounted(t)
+	rt, c, store, srv := x.rt, x.c, x.store, x.srv
 	require.Equal(t, http.StatusCreated, mustPost(t, srv, "before", "b").status)
 
 	flush := func() {
@@ -182,7 +192,7 @@ func TestScriptFlush(t *testing.T) {
 	rt.take()
 	require.NoError(t, store.Extend(t.Context(), cl.Key, cl.Token, time.Now().Add(time.Hour)))
 	assert.EqualValues(t, 2, rt.take(), "extend reloaded")
-	assert.Equal(t, int64(3), runs.Load())
+	assert.Equal(t, int64(3), x.runs.Load())
 }
 
 func TestTwoInstances(t *testing.T) {
