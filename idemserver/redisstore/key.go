@@ -1,0 +1,66 @@
+package redisstore
+
+import (
+	"strings"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// recordKey returns the Redis key of k's record under prefix:
+//
+//	prefix "{" escape(scope) ":" escape(key) "}"
+//
+// escape replaces '%', ':', '{' and '}' with %25, %3A, %7B and %7D, so the
+// separator ':' appears only between the two, and no two (scope, key) pairs
+// share a Redis key. Since no brace is left inside them, the braces make
+// the whole pair the key's hash tag: Redis Cluster then hashes on the pair
+// alone, whatever the prefix (unless the prefix has a tag of its own).
+func recordKey(prefix string, k idemserver.Key) string {
+	n := len(prefix) + len(k.Scope) + len(k.Key) + 3
+	plain := !strings.ContainsAny(k.Scope, escaped) && !strings.ContainsAny(k.Key, escaped)
+	if !plain {
+		n += 2 * (count(k.Scope) + count(k.Key))
+	}
+	var b strings.Builder
+	b.Grow(n)
+	b.WriteString(prefix)
+	b.WriteByte('{')
+	writeEscaped(&b, k.Scope, plain)
+	b.WriteByte(':')
+	writeEscaped(&b, k.Key, plain)
+	b.WriteByte('}')
+	return b.String()
+}
+
+// escaped holds the bytes recordKey escapes.
+const escaped = "%:{}"
+
+const hexDigits = "0123456789ABCDEF"
+
+func writeEscaped(b *strings.Builder, s string, plain bool) {
+	if plain {
+		b.WriteString(s)
+		return
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if strings.IndexByte(escaped, c) < 0 {
+			b.WriteByte(c)
+			continue
+		}
+		b.WriteByte('%')
+		b.WriteByte(hexDigits[c>>4])
+		b.WriteByte(hexDigits[c&15])
+	}
+}
+
+// count returns how many bytes of s recordKey escapes.
+func count(s string) int {
+	n := 0
+	for i := 0; i < len(s); i++ {
+		if strings.IndexByte(escaped, s[i]) >= 0 {
+			n++
+		}
+	}
+	return n
+}
