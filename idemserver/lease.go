@@ -34,11 +34,11 @@ var ErrMaxHoldExceeded = errors.New("idemserver: handler held its key past the m
 // testing/synctest bubble fakes); the lease ends passed to the store are
 // readings of the middleware's clock (see [WithClock]).
 type leaseKeeper struct {
-	m      *handler
-	key    Key
-	token  string
-	ctx    context.Context         // the store's context, without cancellation
-	cancel context.CancelCauseFunc // cancels the handler's context
+	m     *handler
+	key   Key
+	token string
+	ctx   context.Context // the store's context, without cancellation
+	hctx  *handlerContext // the handler's context, which the keeper cancels
 
 	mu       sync.Mutex
 	timer    *time.Timer
@@ -139,7 +139,7 @@ func (k *leaseKeeper) giveUp(cause error) {
 func (k *leaseKeeper) giveUpLocked(cause error) {
 	k.stopped = true
 	k.err = cause
-	k.cancel(cause)
+	k.hctx.cancel(cause)
 }
 
 // stop stops renewing the lease and waits for a renewal in progress to
