@@ -41,6 +41,10 @@ type handlerContext struct {
 	mu          sync.Mutex
 	child       context.Context
 	cancelChild context.CancelCauseFunc
+	// endedFirst says that the handler returned before the parent ended:
+	// the context ended then, with context.Canceled, whatever the parent
+	// does later.
+	endedFirst bool
 }
 
 func (c *handlerContext) Deadline() (time.Time, bool) { return c.parent.Deadline() }
@@ -80,7 +84,11 @@ func (c *handlerContext) makeLocked() {
 	if c.made.Load() {
 		return
 	}
-	c.child, c.cancelChild = context.WithCancelCause(c.parent)
+	parent := c.parent
+	if c.endedFirst {
+		parent = context.WithoutCancel(parent) // so as not to take its cause
+	}
+	c.child, c.cancelChild = context.WithCancelCause(parent)
 	if c.ended.Load() {
 		c.cancelChild(nil)
 	}
@@ -95,12 +103,16 @@ func (c *handlerContext) cancel(cause error) {
 	c.cancelChild(cause)
 }
 
-// end ends the context when the handler returns.
+// end ends the context when the handler returns. A context that is not
+// cancellable yet stays so: it is made cancelled when it is next used, if
+// it ever is.
 func (c *handlerContext) end() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.ended.Store(true)
 	if c.made.Load() {
 		c.cancelChild(nil)
+		return
 	}
+	c.endedFirst = c.parent.Err() == nil
 }
