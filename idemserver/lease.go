@@ -37,8 +37,8 @@ type leaseKeeper struct {
 	m     *handler
 	key   Key
 	token string
-	ctx   context.Context // the store's context, without cancellation
-	hctx  *handlerContext // the handler's context, which the keeper cancels
+	ctx   *detachedContext // the store's context, without cancellation
+	hctx  *handlerContext  // the handler's context, which the keeper cancels
 
 	mu           sync.Mutex
 	timer        *time.Timer

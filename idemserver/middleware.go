@@ -354,11 +354,12 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	// keeper of its lease, in one allocation. It is never reused: the
 	// handler may keep any of them after it returns.
 	x := &struct {
-		body  bodyReader
-		rec   recorder
-		lease leaseKeeper
-		ctx   handlerContext
-		req   http.Request
+		body     bodyReader
+		rec      recorder
+		lease    leaseKeeper
+		ctx      handlerContext
+		detached detachedContext
+		req      http.Request
 	}{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
@@ -389,8 +390,9 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	x.req = *r.WithContext(ctx)
 	r = &x.req
 	// The outcome must be recorded even when the client has gone.
-	storeCtx = context.WithoutCancel(storeCtx)
-	lease.ctx, lease.hctx = storeCtx, ctx
+	x.detached.parent = storeCtx
+	storeCtx = &x.detached
+	lease.ctx, lease.hctx = &x.detached, ctx
 	if cfg.ownClock { // the keeper runs on the runtime's clock
 		claimed = time.Now()
 	}
