@@ -7,26 +7,6 @@ import (
 	"encoding/binary"
 )
 
-// claimedKey is the context key under which the middleware gives a
-// handler the key it claimed.
-type claimedKey struct{}
-
-// handlerContext is the context of a claimed request's handler: ctx, with
-// the claimed key as the value of claimedKey. It saves the allocation of
-// context.WithValue; everything else, cancellation and its cause included,
-// is the embedded context's.
-type handlerContext struct {
-	context.Context
-	key *Key
-}
-
-func (c *handlerContext) Value(k any) any {
-	if _, ok := k.(claimedKey); ok {
-		return c.key
-	}
-	return c.Context.Value(k)
-}
-
 // KeyFrom returns the key that the middleware claimed for the request whose
 // context is ctx, and true; it reports false for any other context, such as
 // that of a request without a key or one that was not claimed (a replay

@@ -34,21 +34,20 @@ var ErrMaxHoldExceeded = errors.New("idemserver: handler held its key past the m
 // testing/synctest bubble fakes); the lease ends passed to the store are
 // readings of the middleware's clock (see [WithClock]).
 type leaseKeeper struct {
-	m      *handler
-	key    Key
-	token  string
-	ctx    context.Context         // the store's context, without cancellation
-	cancel context.CancelCauseFunc // cancels the handler's context
+	m     *handler
+	key   Key
+	token string
+	ctx   *detachedContext // the store's context, without cancellation
+	hctx  *handlerContext  // the handler's context, which the keeper cancels
 
-	mu       sync.Mutex
-	timer    *time.Timer
-	running  sync.WaitGroup     // a renewal in progress
-	abortCtx context.Context    // the context of extensions, made at the first
-	abort    context.CancelFunc // ends abortCtx
-	stopped  bool
-	leaseEnd time.Time // when the current lease ends, by the runtime's clock
-	holdEnd  time.Time // when the maximum hold ends, by the runtime's clock
-	err      error     // why the handler's context was cancelled, if it was
+	mu           sync.Mutex
+	timer        *time.Timer
+	running      sync.WaitGroup     // a renewal in progress
+	cancelExtend context.CancelFunc // ends the extension in progress
+	stopped      bool
+	leaseEnd     time.Time // when the current lease ends, by the runtime's clock
+	holdEnd      time.Time // when the maximum hold ends, by the runtime's clock
+	err          error     // why the handler's context was cancelled, if it was
 }
 
 // start starts keeping the lease that the claim took at claimed, by the
@@ -71,24 +70,24 @@ func (k *leaseKeeper) renew() {
 		k.mu.Unlock()
 		return
 	}
-	k.running.Add(1)
-	defer k.running.Done()
-	if k.abortCtx == nil {
-		k.abortCtx, k.abort = context.WithCancel(k.ctx)
-	}
-	ctx, leaseEnd := k.abortCtx, k.leaseEnd
-	k.mu.Unlock()
-
 	cfg := k.m.cfg
 	now := time.Now()
 	if !now.Before(k.holdEnd) {
-		k.giveUp(fmt.Errorf("%w (%v); its lease is no longer renewed", ErrMaxHoldExceeded, cfg.maxHold))
+		k.giveUpLocked(fmt.Errorf("%w (%v); its lease is no longer renewed", ErrMaxHoldExceeded, cfg.maxHold))
+		k.mu.Unlock()
 		return
 	}
-	// An extension that has not succeeded when the lease ends is too late.
-	ectx, cancel := context.WithDeadline(ctx, leaseEnd)
-	err := k.m.store.Extend(ectx, k.key, k.token, cfg.now().Add(cfg.lease))
-	cancel()
+	k.running.Add(1)
+	defer k.running.Done()
+	// An extension that has not succeeded when the lease ends is too late;
+	// one that is in progress when the claim ends is ended by stop.
+	leaseEnd := k.leaseEnd
+	ctx, cancel := context.WithDeadline(k.ctx, leaseEnd)
+	defer cancel()
+	k.cancelExtend = cancel
+	k.mu.Unlock()
+
+	err := k.m.store.Extend(ctx, k.key, k.token, cfg.now().Add(cfg.lease))
 
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -129,20 +128,12 @@ func renewRetryDelay(lease time.Duration) time.Duration {
 	return max(min(lease/20, time.Second), time.Millisecond)
 }
 
-func (k *leaseKeeper) giveUp(cause error) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if !k.stopped {
-		k.giveUpLocked(cause)
-	}
-}
-
 // giveUpLocked stops renewing the lease and cancels the handler's context
 // with cause.
 func (k *leaseKeeper) giveUpLocked(cause error) {
 	k.stopped = true
 	k.err = cause
-	k.cancel(cause)
+	k.hctx.cancel(cause)
 }
 
 // stop stops renewing the lease and waits for a renewal in progress to
@@ -152,8 +143,8 @@ func (k *leaseKeeper) stop() (leaseEnd time.Time, err error) {
 	k.mu.Lock()
 	k.stopped = true
 	k.timer.Stop()
-	if k.abort != nil {
-		k.abort()
+	if k.cancelExtend != nil {
+		k.cancelExtend()
 	}
 	k.mu.Unlock()
 	k.running.Wait()

@@ -393,3 +393,25 @@ func TestSlowRenewalKeepsLease(t *testing.T) {
 		})
 	}
 }
+// TestExtensionInProgressEndsWithTheClaim lets the handler return while an
+// extension of its lease waits on a store that does not answer: the
+// extension's context is cancelled then, rather than at the end of the
+// lease, so the response is not held back by it.
+func TestExtensionInProgressEndsWithTheClaim(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := newStubStore()
+		extendErr := make(chan error, 1)
+		store.extend = func(ctx context.Context, _ Key, _ string, _ time.Time) error {
+			<-ctx.Done()
+			extendErr <- ctx.Err()
+			return ctx.Err()
+		}
+		h := newRunFor(testLease/2, false)
+		mw := Middleware(store, WithLease(testLease))(h)
+		start := time.Now()
+		w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		assert.Equal(t, start.Add(testLease/2), time.Now(), "the response waits for no extension")
+		assert.Equal(t, http.StatusCreated, w.Code)
+		assert.Equal(t, context.Canceled, <-extendErr)
+	})
+}

@@ -380,13 +380,16 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 // reports true.
 func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claimed time.Time, claim *PackedClaimResult, bufs *buffers, mayRerun bool) (rerun bool) {
 	cfg := m.cfg
-	// The handler's body, ResponseWriter and context, and the keeper of its
-	// lease, in one allocation.
+	// The handler's body, ResponseWriter, context and request, and the
+	// keeper of its lease, in one allocation. It is never reused: the
+	// handler may keep any of them after it returns.
 	x := &struct {
-		body  bodyReader
-		rec   recorder
-		lease leaseKeeper
-		ctx   handlerContext
+		body     bodyReader
+		rec      recorder
+		lease    leaseKeeper
+		ctx      handlerContext
+		detached detachedContext
+		req      http.Request
 	}{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
@@ -404,15 +407,22 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token str
 	if storeCtx == nil {
 		storeCtx = reqCtx
 	}
-	// The handler's context ends when the request's does, or when the
-	// lease keeper gives up; it carries the claimed key.
-	ctx, cancel := context.WithCancelCause(storeCtx)
-	defer cancel(nil)
-	x.ctx = handlerContext{Context: ctx, key: &lease.key}
-	r = r.WithContext(&x.ctx)
+	// The handler's context ends when the request's does, when the lease
+	// keeper gives up, or when the handler returns; it carries the claimed
+	// key.
+	ctx := &x.ctx
+	ctx.parent, ctx.key = storeCtx, &lease.key
+	defer ctx.end()
+	// A request carries its context in an unexported field that only a
+	// copy of the request can change, so the handler gets a copy. The
+	// copy WithContext makes, inlined, does not escape: copied into x, it
+	// costs no allocation of its own.
+	x.req = *r.WithContext(ctx)
+	r = &x.req
 	// The outcome must be recorded even when the client has gone.
-	storeCtx = context.WithoutCancel(storeCtx)
-	lease.ctx, lease.cancel = storeCtx, cancel
+	x.detached.parent = storeCtx
+	storeCtx = &x.detached
+	lease.ctx, lease.hctx = &x.detached, ctx
 	if cfg.ownClock { // the keeper runs on the runtime's clock
 		claimed = time.Now()
 	}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/textproto"
@@ -133,7 +134,15 @@ func (c *recorder) WriteHeader(code int) {
 // Write records p, or passes it through once the response is streaming.
 // As under net/http, it fails with [http.ErrBodyNotAllowed] when the status
 // allows no body (204, 304), and records nothing.
-func (c *recorder) Write(p []byte) (int, error) {
+func (c *recorder) Write(p []byte) (int, error) { return write(c, p) }
+
+// WriteString is Write for a string. With it, a handler that writes a
+// string (io.WriteString) does not have it copied into a new byte slice
+// first, which net/http's own ResponseWriter spares it too.
+func (c *recorder) WriteString(s string) (int, error) { return write(c, s) }
+
+// write is Write and WriteString.
+func write[T []byte | string](c *recorder, p T) (int, error) {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
 	}
@@ -161,7 +170,14 @@ func (c *recorder) Write(p []byte) (int, error) {
 	if c.err != nil {
 		return 0, c.err
 	}
-	n, err := c.w.Write(p)
+	var n int
+	var err error
+	switch p := any(p).(type) {
+	case []byte:
+		n, err = c.w.Write(p)
+	case string:
+		n, err = io.WriteString(c.w, p)
+	}
 	if err != nil {
 		c.err = err
 	}

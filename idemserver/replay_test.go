@@ -627,3 +627,56 @@ func TestWriteWhereBodyNotAllowed(t *testing.T) {
 		}
 	}
 }
+
+// Write and WriteString record and pass through the same bytes, whether the
+// response is held back, streamed after a flush, or larger than the limit
+// (10 bytes here), and return the same counts.
+func TestWriteAndWriteStringAgree(t *testing.T) {
+	writers := map[string]func(w http.ResponseWriter, s string) (int, error){
+		"Write":       func(w http.ResponseWriter, s string) (int, error) { return w.Write([]byte(s)) },
+		"WriteString": func(w http.ResponseWriter, s string) (int, error) { return w.(io.StringWriter).WriteString(s) },
+	}
+	for _, tt := range []struct {
+		name       string
+		flushAfter int // flush after this many writes; 0 for none
+		writes     []string
+		wantReplay string
+	}{
+		{"held back", 0, []string{"abc", "def"}, "abcdef"},
+		{"streamed", 1, []string{"abc", "def"}, "abcdef"},
+		{"past the limit", 0, []string{"abcdef", "ghijkl", "mn"}, ""},
+		{"streamed past the limit", 1, []string{"abcdef", "ghijkl"}, ""},
+		{"empty", 0, []string{""}, ""},
+	} {
+		for name, write := range writers {
+			t.Run(tt.name+"/"+name, func(t *testing.T) {
+				var ns []int
+				mw := Middleware(nil, WithMaxResponseBytes(10))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					w.WriteHeader(http.StatusCreated)
+					for i, s := range tt.writes {
+						n, err := write(w, s)
+						assert.NoError(t, err)
+						ns = append(ns, n)
+						if i+1 == tt.flushAfter {
+							w.(http.Flusher).Flush()
+						}
+					}
+				}))
+				first := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				all := strings.Join(tt.writes, "")
+				assert.Equal(t, http.StatusCreated, first.Code)
+				assert.Equal(t, all, first.Body.String())
+				for i, s := range tt.writes {
+					assert.Equal(t, len(s), ns[i])
+				}
+				replay := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+				if tt.wantReplay == "" && all != "" {
+					decodeProblem(t, replay, ProblemResponseNotStored, http.StatusCreated)
+				} else {
+					assert.Equal(t, tt.wantReplay, replay.Body.String())
+				}
+			})
+		}
+	}
+}

@@ -1,0 +1,5 @@
+//go:build !race
+
+package idemserver
+
+const raceEnabled = false
