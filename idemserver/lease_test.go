@@ -393,6 +393,7 @@ func TestSlowRenewalKeepsLease(t *testing.T) {
 		})
 	}
 }
+
 // TestExtensionInProgressEndsWithTheClaim lets the handler return while an
 // extension of its lease waits on a store that does not answer: the
 // extension's context is cancelled then, rather than at the end of the
