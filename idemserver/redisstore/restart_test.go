@@ -189,7 +189,8 @@ func TestRestart(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			server := startRedis(t, tt.aof)
-			store := redisstore.New(newRestartClient(t, server))
+			client := newRestartClient(t, server)
+			store := redisstore.New(client)
 			var seen events
 			var runs runCounter
 			entered, release := make(chan struct{}), make(chan struct{})
@@ -239,6 +240,10 @@ func TestRestart(t *testing.T) {
 			assert.Error(t, ev[0].Err, "the failure to complete is observed")
 
 			require.NoError(t, server.start())
+			// After failed dials go-redis's pool answers with the last dial
+			// error until its own background dial succeeds, about a second.
+			require.Eventually(t, func() bool { return client.Ping(t.Context()).Err() == nil },
+				10*time.Second, 50*time.Millisecond, "the client reconnects")
 			r := mustPost(t, srv, "new", "b")
 			assert.Equal(t, http.StatusCreated, r.status, "service resumes")
 			assert.Equal(t, 1, runs.get("new"))
