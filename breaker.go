@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sony/gobreaker/v2"
@@ -171,6 +172,10 @@ type breakers struct {
 type hostBreaker struct {
 	cb *gobreaker.TwoStepCircuitBreaker[struct{}]
 
+	// changed is set while changes is not empty, so that the common case,
+	// no change, costs an atomic load rather than taking mu twice per
+	// attempt.
+	changed atomic.Bool
 	mu      sync.Mutex
 	changes []BreakerChange // not yet reported
 }
@@ -207,6 +212,7 @@ func (b *breakers) newHost(host string) *hostBreaker {
 		OnStateChange: func(name string, from, to gobreaker.State) {
 			hb.mu.Lock()
 			hb.changes = append(hb.changes, BreakerChange{Host: name, From: breakerState(from), To: breakerState(to)})
+			hb.changed.Store(true)
 			hb.mu.Unlock()
 		},
 	})
@@ -215,10 +221,16 @@ func (b *breakers) newHost(host string) *hostBreaker {
 
 // drain returns the changes not yet reported.
 func (hb *hostBreaker) drain() []BreakerChange {
+	// A change noted before this load is seen: it is stored under the
+	// breaker's lock, which the caller's Allow or report has just held.
+	if !hb.changed.Load() {
+		return nil
+	}
 	hb.mu.Lock()
 	defer hb.mu.Unlock()
 	c := hb.changes
 	hb.changes = nil
+	hb.changed.Store(false)
 	return c
 }
 

@@ -229,7 +229,7 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 // pending key, the key of the request a redirect answered, or a new one.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
-	c.key = c.req.Header.Get(cfg.keyHeader)
+	c.key = headerValue(c.req.Header, cfg.keyHeader)
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
 		key := c.redirectedKey()
 		var err error
@@ -267,7 +267,7 @@ func (c *call) redirectedKey() string {
 		(prev.StatusCode != http.StatusTemporaryRedirect && prev.StatusCode != http.StatusPermanentRedirect) {
 		return ""
 	}
-	value := prev.Request.Header.Get(c.t.cfg.keyHeader)
+	value := headerValue(prev.Request.Header, c.t.cfg.keyHeader)
 	if c.t.cfg.structuredKey && value != "" {
 		key, err := sfv.Unquote(value)
 		if err != nil {
@@ -368,7 +368,10 @@ func (c *call) attempt(n int) outcome {
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
-	o.elapsed = time.Since(c.admitted)
+	if c.t.cfg.observed() {
+		// Only a hook or a logger reads it; a clock reading is not free.
+		o.elapsed = time.Since(c.admitted)
+	}
 	if o.err != nil && o.resp != nil {
 		// The base transport broke its contract; keep only the error.
 		discard(o.resp)
@@ -378,6 +381,16 @@ func (c *call) attempt(n int) outcome {
 		o.err = errNilResponse
 	}
 	return o
+}
+
+// headerValue returns the first value of h's field named key, which must be
+// in canonical form, as [http.Header.Get] would. Unlike Get it does not
+// canonicalize key again, which costs more than the lookup itself.
+func headerValue(h http.Header, key string) string {
+	if vv := h[key]; len(vv) > 0 {
+		return vv[0]
+	}
+	return ""
 }
 
 // attemptHeader returns a copy of the caller's header with the key added.
@@ -461,7 +474,7 @@ func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 	cfg := &c.t.cfg
 	changes := c.changes
 	c.changes = nil
-	if cfg.hook == nil && cfg.logger == nil {
+	if !cfg.observed() {
 		return
 	}
 	a := Attempt{

@@ -55,7 +55,13 @@ func (m *Map[V]) Get(host string, now time.Time) V {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.evict(now)
-	if el, ok := m.byKey[host]; ok {
+	el := m.lru.Front()
+	if el == nil || el.Value.(*entry[V]).host != host {
+		// Most calls repeat the last host, which is at the front; only
+		// the others pay for hashing it.
+		el = m.byKey[host]
+	}
+	if el != nil {
 		e := el.Value.(*entry[V])
 		if now.After(e.lastUsed) {
 			e.lastUsed = now
