@@ -206,7 +206,9 @@ func (b *breakers) newHost(host string) *hostBreaker {
 				(counted >= s.MinRequests &&
 					float64(c.TotalFailures) >= s.FailureRatio*float64(counted))
 		},
-		IsExcluded: func(err error) bool { return errors.Is(err, errBreakerExcluded) },
+		// done passes the sentinels themselves: no need for errors.Is,
+		// which is dearer on every attempt.
+		IsExcluded: func(err error) bool { return err == errBreakerExcluded },
 		// Called with the breaker's lock held: only note the change here;
 		// whoever caused it reports it after the lock is released.
 		OnStateChange: func(name string, from, to gobreaker.State) {

@@ -296,7 +296,7 @@ func (c *call) admit(n int) (Reason, error) {
 	c.admitted = time.Now()
 	if b := c.t.breakers; b != nil {
 		ticket, changes, err := b.allow(c.host, c.admitted)
-		c.changes = append(c.changes, changes...)
+		c.noteChanges(changes)
 		if err != nil {
 			return ReasonCircuitOpen, err
 		}
@@ -306,6 +306,14 @@ func (c *call) admit(n int) (Reason, error) {
 		c.t.cfg.budget.recordFirst(c.host, c.admitted)
 	}
 	return "", nil
+}
+
+// noteChanges keeps breaker changes to report with the attempt. Almost
+// always there are none, and then it does nothing.
+func (c *call) noteChanges(changes []BreakerChange) {
+	if len(changes) > 0 {
+		c.changes = append(c.changes, changes...)
+	}
 }
 
 // settle tells the host's breaker and rate limiter how an attempt went.
@@ -321,7 +329,7 @@ func (c *call) settle(o outcome) {
 		case o.err != nil || o.resp.StatusCode >= 500:
 			result = outcomeFailure
 		}
-		c.changes = append(c.changes, c.breaker.done(result)...)
+		c.noteChanges(c.breaker.done(result))
 		c.breaker = breakerTicket{}
 	}
 	if c.t.limiters != nil && o.resp != nil {

@@ -101,9 +101,10 @@ func (m *Map[V]) evict(now time.Time) {
 	if m.idle <= 0 {
 		return
 	}
-	cutoff := now.Add(-m.idle)
 	for el := m.lru.Back(); el != nil; el = m.lru.Back() {
-		if !el.Value.(*entry[V]).lastUsed.Before(cutoff) {
+		// Sub of two monotonic readings is a subtraction; now.Add(-idle)
+		// would rebuild a Time on every call.
+		if now.Sub(el.Value.(*entry[V]).lastUsed) <= m.idle {
 			return
 		}
 		m.remove(el)
