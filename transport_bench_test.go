@@ -9,8 +9,12 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/idemhttp/idemhttp/internal/cputime"
 )
 
 // BenchmarkTransport measures the happy path, one request at a time over a
@@ -23,7 +27,6 @@ import (
 //	benchstat -col /impl bench.txt
 func BenchmarkTransport(b *testing.B) {
 	url := startBenchServer(b)
-	payload := bytes.Repeat([]byte("p"), 1024)
 
 	impls := []struct {
 		name string
@@ -41,34 +44,155 @@ func BenchmarkTransport(b *testing.B) {
 		}},
 		{"idemhttp", func(rt http.RoundTripper) http.RoundTripper { return NewTransport(rt) }},
 	}
-	reqs := []struct {
-		name string
-		make func() *http.Request
-	}{
-		{"GET", func() *http.Request { r, _ := http.NewRequest("GET", url, nil); return r }},
-		{"POST-1KiB", func() *http.Request {
-			r, _ := http.NewRequest("POST", url, bytes.NewReader(payload))
-			return r
-		}},
-	}
-	for _, rq := range reqs {
+	for _, rq := range benchRequests(url) {
 		for _, impl := range impls {
 			b.Run("req="+rq.name+"/impl="+impl.name, func(b *testing.B) {
 				base := http.DefaultTransport.(*http.Transport).Clone()
 				defer base.CloseIdleConnections()
 				rt := impl.wrap(base)
 				b.ReportAllocs()
+				cpu := cputime.Start()
 				for b.Loop() {
-					resp, err := rt.RoundTrip(rq.make())
-					if err != nil {
-						b.Fatal(err)
-					}
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
+					benchRoundTrip(b, rt, rq.make())
 				}
+				cpu.Report(b, b.N)
 			})
 		}
 	}
+}
+
+// benchRequest is a kind of request the loopback benchmarks send.
+type benchRequest struct {
+	name string
+	make func() *http.Request
+}
+
+// benchRequests are a GET and a POST of 1 KiB to url.
+func benchRequests(url string) []benchRequest {
+	payload := bytes.Repeat([]byte("p"), 1024)
+	return []benchRequest{
+		{"GET", func() *http.Request { r, _ := http.NewRequest("GET", url, nil); return r }},
+		{"POST-1KiB", func() *http.Request {
+			r, _ := http.NewRequest("POST", url, bytes.NewReader(payload))
+			return r
+		}},
+	}
+}
+
+// benchRoundTrip sends req through rt and reads and closes the response.
+func benchRoundTrip(b *testing.B, rt http.RoundTripper, req *http.Request) {
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		b.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+}
+
+// BenchmarkTransportPaired measures idemhttp against a bare http.Transport
+// over loopback, to a server in another process, in one run: the two send
+// alternately, in blocks of pairedBlock requests, in the order bare,
+// idemhttp, idemhttp, bare, so that the machine's load and its drift over
+// the run weigh on both alike. Each has its own http.Transport and so its
+// own keep-alive connection. Every b.N sends b.N requests with each.
+//
+// It reports, per request, each side's wall time (bare-ns/req,
+// idemhttp-ns/req) and CPU time of this process, user and system, which
+// counts the runtime's work too (bare-cpu-ns/req, idemhttp-cpu-ns/req),
+// and the ratios of the medians over the blocks (idemhttp/bare-wall,
+// idemhttp/bare-cpu). The built-in ns/op is the time of both requests.
+// Compare runs with
+//
+//	benchstat paired.txt
+func BenchmarkTransportPaired(b *testing.B) {
+	url := startBenchServer(b)
+	for _, rq := range benchRequests(url) {
+		b.Run("req="+rq.name, func(b *testing.B) {
+			bareBase := http.DefaultTransport.(*http.Transport).Clone()
+			idemBase := http.DefaultTransport.(*http.Transport).Clone()
+			defer bareBase.CloseIdleConnections()
+			defer idemBase.CloseIdleConnections()
+			sides := [2]*pairedSide{
+				{name: "bare", rt: bareBase},
+				{name: "idemhttp", rt: NewTransport(idemBase)},
+			}
+			for _, s := range sides { // open the connections
+				benchRoundTrip(b, s.rt, rq.make())
+			}
+			b.ResetTimer()
+			for done, round := 0, 0; done < b.N; round++ {
+				n := min(pairedBlock, b.N-done)
+				first := round % 2 // bare first in even rounds, idemhttp in odd
+				for _, i := range []int{first, 1 - first} {
+					sides[i].block(b, n, rq.make)
+				}
+				done += n
+			}
+			for _, s := range sides {
+				s.report(b)
+			}
+			b.ReportMetric(median(ratios(sides[1].wall, sides[0].wall)), "idemhttp/bare-wall")
+			b.ReportMetric(median(ratios(sides[1].cpu, sides[0].cpu)), "idemhttp/bare-cpu")
+		})
+	}
+}
+
+// pairedBlock is how many requests one side of BenchmarkTransportPaired
+// sends before the other takes over: enough that reading the clocks costs
+// nothing in comparison, few enough that both sides see the same load.
+const pairedBlock = 64
+
+// pairedSide is one side of BenchmarkTransportPaired, with the wall and CPU
+// time per request of each of its blocks.
+type pairedSide struct {
+	name      string
+	rt        http.RoundTripper
+	wall, cpu []float64 // ns per request, per block
+	n         int       // requests sent
+}
+
+// block sends n requests and records their time.
+func (s *pairedSide) block(b *testing.B, n int, make func() *http.Request) {
+	start, cpu := time.Now(), cputime.Start()
+	for range n {
+		benchRoundTrip(b, s.rt, make())
+	}
+	s.wall = append(s.wall, float64(time.Since(start).Nanoseconds())/float64(n))
+	s.cpu = append(s.cpu, float64(cpu.Elapsed().Nanoseconds())/float64(n))
+	s.n += n
+}
+
+// report adds the side's mean times per request to b's results.
+func (s *pairedSide) report(b *testing.B) {
+	mean := func(v []float64) float64 {
+		var sum float64
+		for _, x := range v {
+			sum += x
+		}
+		return sum / float64(len(v))
+	}
+	b.ReportMetric(mean(s.wall), s.name+"-ns/req")
+	if cputime.Supported {
+		b.ReportMetric(mean(s.cpu), s.name+"-cpu-ns/req")
+	}
+}
+
+// ratios returns a[i]/b[i] for each block.
+func ratios(a, b []float64) []float64 {
+	r := make([]float64, len(a))
+	for i := range a {
+		r[i] = a[i] / b[i]
+	}
+	return r
+}
+
+func median(v []float64) float64 {
+	v = slices.Clone(v)
+	slices.Sort(v)
+	if len(v)%2 == 1 {
+		return v[len(v)/2]
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2
 }
 
 // benchServerEnv, when set, makes the test binary serve for a benchmark
