@@ -33,15 +33,7 @@ func BenchmarkTransport(b *testing.B) {
 		wrap func(http.RoundTripper) http.RoundTripper
 	}{
 		{"bare", func(rt http.RoundTripper) http.RoundTripper { return rt }},
-		{"bare+key", func(rt http.RoundTripper) http.RoundTripper {
-			return roundTripFunc(func(r *http.Request) (*http.Response, error) {
-				if r.Method == http.MethodPost {
-					key, _ := newUUIDv7()
-					r.Header.Set(DefaultKeyHeader, key)
-				}
-				return rt.RoundTrip(r)
-			})
-		}},
+		{"bare+key", keyByHand},
 		{"idemhttp", func(rt http.RoundTripper) http.RoundTripper { return NewTransport(rt) }},
 	}
 	for _, rq := range benchRequests(url) {
@@ -90,40 +82,52 @@ func benchRoundTrip(b *testing.B, rt http.RoundTripper, req *http.Request) {
 }
 
 // BenchmarkTransportPaired measures idemhttp against a bare http.Transport
-// over loopback, to a server in another process, in one run: the two send
-// alternately, in blocks of pairedBlock requests, in the order bare,
-// idemhttp, idemhttp, bare, so that the machine's load and its drift over
-// the run weigh on both alike. Each has its own http.Transport and so its
-// own keep-alive connection. Every b.N sends b.N requests with each.
+// over loopback, to a server in another process, in one run: bare, bare+key
+// (a key set by hand on each POST, the same bytes on the wire as idemhttp's)
+// and idemhttp send in turn, in blocks of pairedBlock requests, the order
+// rotating and reversing from round to round, so that the machine's load
+// and its drift over the run weigh on all alike. Each has its own
+// http.Transport and so its own keep-alive connection. Every b.N sends b.N
+// requests with each.
 //
-// It reports, per request, each side's wall time (bare-ns/req,
-// idemhttp-ns/req) and CPU time of this process, user and system, which
-// counts the runtime's work too (bare-cpu-ns/req, idemhttp-cpu-ns/req),
-// and the ratios of the medians over the blocks (idemhttp/bare-wall,
-// idemhttp/bare-cpu). The built-in ns/op is the time of both requests.
-// Compare runs with
+// It reports, per request, each side's wall time (bare-ns/req, ...) and the
+// CPU time of this process, user and system, which counts the runtime's
+// work too (bare-cpu-ns/req, ...), and the medians over the blocks of each
+// side's time divided by bare's in the same round (idemhttp/bare-wall,
+// idemhttp/bare-cpu, ...). The built-in ns/op is the time of one request
+// by each side. Compare runs with
 //
 //	benchstat paired.txt
 func BenchmarkTransportPaired(b *testing.B) {
 	url := startBenchServer(b)
 	for _, rq := range benchRequests(url) {
 		b.Run("req="+rq.name, func(b *testing.B) {
-			bareBase := http.DefaultTransport.(*http.Transport).Clone()
-			idemBase := http.DefaultTransport.(*http.Transport).Clone()
-			defer bareBase.CloseIdleConnections()
-			defer idemBase.CloseIdleConnections()
-			sides := [2]*pairedSide{
-				{name: "bare", rt: bareBase},
-				{name: "idemhttp", rt: NewTransport(idemBase)},
-			}
-			for _, s := range sides { // open the connections
-				benchRoundTrip(b, s.rt, rq.make())
+			var sides []*pairedSide
+			for _, s := range []struct {
+				name string
+				wrap func(http.RoundTripper) http.RoundTripper
+			}{
+				{"bare", func(rt http.RoundTripper) http.RoundTripper { return rt }},
+				{"bare+key", keyByHand},
+				{"idemhttp", func(rt http.RoundTripper) http.RoundTripper { return NewTransport(rt) }},
+			} {
+				base := http.DefaultTransport.(*http.Transport).Clone()
+				defer base.CloseIdleConnections()
+				side := &pairedSide{name: s.name, rt: s.wrap(base)}
+				benchRoundTrip(b, side.rt, rq.make()) // open the connection
+				sides = append(sides, side)
 			}
 			b.ResetTimer()
+			order := make([]int, len(sides))
 			for done, round := 0, 0; done < b.N; round++ {
 				n := min(pairedBlock, b.N-done)
-				first := round % 2 // bare first in even rounds, idemhttp in odd
-				for _, i := range []int{first, 1 - first} {
+				for i := range order {
+					order[i] = (round + i) % len(sides)
+				}
+				if round/len(sides)%2 == 1 {
+					slices.Reverse(order)
+				}
+				for _, i := range order {
 					sides[i].block(b, n, rq.make)
 				}
 				done += n
@@ -131,14 +135,16 @@ func BenchmarkTransportPaired(b *testing.B) {
 			for _, s := range sides {
 				s.report(b)
 			}
-			b.ReportMetric(median(ratios(sides[1].wall, sides[0].wall)), "idemhttp/bare-wall")
-			b.ReportMetric(median(ratios(sides[1].cpu, sides[0].cpu)), "idemhttp/bare-cpu")
+			for _, s := range sides[1:] {
+				b.ReportMetric(median(ratios(s.wall, sides[0].wall)), s.name+"/bare-wall")
+				b.ReportMetric(median(ratios(s.cpu, sides[0].cpu)), s.name+"/bare-cpu")
+			}
 		})
 	}
 }
 
 // pairedBlock is how many requests one side of BenchmarkTransportPaired
-// sends before the other takes over: enough that reading the clocks costs
+// sends before the next takes over: enough that reading the clocks costs
 // nothing in comparison, few enough that both sides see the same load.
 const pairedBlock = 64
 
@@ -193,6 +199,18 @@ func median(v []float64) float64 {
 		return v[len(v)/2]
 	}
 	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+}
+
+// keyByHand wraps rt so that every POST carries a fresh UUIDv7 key, set by
+// hand on the caller's request: what sending a key costs without idemhttp.
+func keyByHand(rt http.RoundTripper) http.RoundTripper {
+	return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		if r.Method == http.MethodPost {
+			key, _ := newUUIDv7()
+			r.Header.Set(DefaultKeyHeader, key)
+		}
+		return rt.RoundTrip(r)
+	})
 }
 
 // benchServerEnv, when set, makes the test binary serve for a benchmark
