@@ -266,32 +266,12 @@ func serveForBenchmark() {
 // request: the base transport answers at once from memory, so nothing but
 // the wrapper's own work is measured, without the network's noise.
 func BenchmarkTransportOverhead(b *testing.B) {
-	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
-		return &http.Response{StatusCode: 200, Header: http.Header{}, Body: http.NoBody, Request: r}, nil
-	})
-	payload := bytes.Repeat([]byte("p"), 1024)
-	for _, method := range []string{"GET", "POST"} {
-		for _, impl := range []struct {
-			name string
-			rt   http.RoundTripper
-		}{{"bare", base}, {"idemhttp", NewTransport(base)}} {
-			b.Run("req="+method+"/impl="+impl.name, func(b *testing.B) {
-				b.ReportAllocs()
-				for b.Loop() {
-					var body io.Reader
-					if method == "POST" {
-						body = bytes.NewReader(payload)
-					}
-					req, _ := http.NewRequest(method, "https://api.example.com/v1/charges", body)
-					resp, err := impl.rt.RoundTrip(req)
-					if err != nil {
-						b.Fatal(err)
-					}
-					resp.Body.Close()
-				}
-			})
+	inMemory(b, func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request) {
+		b.ReportAllocs()
+		for b.Loop() {
+			memoryRoundTrip(b, rt, newRequest())
 		}
-	}
+	})
 }
 
 // BenchmarkTransportOverheadCold is BenchmarkTransportOverhead with the
@@ -301,37 +281,55 @@ func BenchmarkTransportOverhead(b *testing.B) {
 // the median time of a RoundTrip alone (rt-ns/op); its ns/op is mostly
 // the eviction's.
 func BenchmarkTransportOverheadCold(b *testing.B) {
+	evict := make([]byte, 16<<20)
+	inMemory(b, func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request) {
+		took := make([]float64, 0, b.N)
+		for b.Loop() {
+			for i := 0; i < len(evict); i += 64 {
+				evict[i]++
+			}
+			req := newRequest()
+			start := time.Now()
+			memoryRoundTrip(b, rt, req)
+			took = append(took, float64(time.Since(start).Nanoseconds()))
+		}
+		b.ReportMetric(median(took), "rt-ns/op")
+	})
+}
+
+// inMemory runs bench for a GET and a 1 KiB POST, each through a base
+// transport that answers 200 at once from memory and through idemhttp
+// over it.
+func inMemory(b *testing.B, bench func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request)) {
 	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
 		return &http.Response{StatusCode: 200, Header: http.Header{}, Body: http.NoBody, Request: r}, nil
 	})
-	evict := make([]byte, 16<<20)
 	payload := bytes.Repeat([]byte("p"), 1024)
 	for _, method := range []string{"GET", "POST"} {
+		newRequest := func() *http.Request {
+			var body io.Reader
+			if method == "POST" {
+				body = bytes.NewReader(payload)
+			}
+			req, _ := http.NewRequest(method, "https://api.example.com/v1/charges", body)
+			return req
+		}
 		for _, impl := range []struct {
 			name string
 			rt   http.RoundTripper
 		}{{"bare", base}, {"idemhttp", NewTransport(base)}} {
 			b.Run("req="+method+"/impl="+impl.name, func(b *testing.B) {
-				took := make([]float64, 0, b.N)
-				for b.Loop() {
-					for i := 0; i < len(evict); i += 64 {
-						evict[i]++
-					}
-					var body io.Reader
-					if method == "POST" {
-						body = bytes.NewReader(payload)
-					}
-					req, _ := http.NewRequest(method, "https://api.example.com/v1/charges", body)
-					start := time.Now()
-					resp, err := impl.rt.RoundTrip(req)
-					took = append(took, float64(time.Since(start).Nanoseconds()))
-					if err != nil {
-						b.Fatal(err)
-					}
-					resp.Body.Close()
-				}
-				b.ReportMetric(median(took), "rt-ns/op")
+				bench(b, impl.rt, newRequest)
 			})
 		}
 	}
+}
+
+// memoryRoundTrip sends req through rt and closes the response body.
+func memoryRoundTrip(b *testing.B, rt http.RoundTripper, req *http.Request) {
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		b.Fatal(err)
+	}
+	resp.Body.Close()
 }
