@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/sony/gobreaker/v2"
@@ -171,6 +172,10 @@ type breakers struct {
 type hostBreaker struct {
 	cb *gobreaker.TwoStepCircuitBreaker[struct{}]
 
+	// changed is set while changes is not empty, so that the common case,
+	// no change, costs an atomic load rather than taking mu twice per
+	// attempt.
+	changed atomic.Bool
 	mu      sync.Mutex
 	changes []BreakerChange // not yet reported
 }
@@ -201,12 +206,15 @@ func (b *breakers) newHost(host string) *hostBreaker {
 				(counted >= s.MinRequests &&
 					float64(c.TotalFailures) >= s.FailureRatio*float64(counted))
 		},
-		IsExcluded: func(err error) bool { return errors.Is(err, errBreakerExcluded) },
+		// done passes the sentinels themselves: no need for errors.Is,
+		// which is dearer on every attempt.
+		IsExcluded: func(err error) bool { return err == errBreakerExcluded },
 		// Called with the breaker's lock held: only note the change here;
 		// whoever caused it reports it after the lock is released.
 		OnStateChange: func(name string, from, to gobreaker.State) {
 			hb.mu.Lock()
 			hb.changes = append(hb.changes, BreakerChange{Host: name, From: breakerState(from), To: breakerState(to)})
+			hb.changed.Store(true)
 			hb.mu.Unlock()
 		},
 	})
@@ -215,10 +223,16 @@ func (b *breakers) newHost(host string) *hostBreaker {
 
 // drain returns the changes not yet reported.
 func (hb *hostBreaker) drain() []BreakerChange {
+	// A change noted before this load is seen: it is stored under the
+	// breaker's lock, which the caller's Allow or report has just held.
+	if !hb.changed.Load() {
+		return nil
+	}
 	hb.mu.Lock()
 	defer hb.mu.Unlock()
 	c := hb.changes
 	hb.changes = nil
+	hb.changed.Store(false)
 	return c
 }
 

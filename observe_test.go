@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"sync"
 	"testing"
+	"testing/synctest"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -92,4 +94,31 @@ func TestAttemptHookSeesEveryAttempt(t *testing.T) {
 	assert.Equal(t, ReasonSuccess, got[2].Reason)
 	assert.False(t, got[2].Retrying())
 	assert.Zero(t, got[2].Wait)
+}
+
+func TestAttemptElapsedCoversTheAttempt(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		// The base transport takes 30 ms, then 70 ms: each attempt's
+		// Elapsed is its own time up to the response.
+		delays := []time.Duration{30 * time.Millisecond, 70 * time.Millisecond}
+		statuses := []int{503, 200}
+		n := 0
+		base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			time.Sleep(delays[n])
+			code := statuses[n]
+			n++
+			return &http.Response{StatusCode: code, Header: http.Header{}, Body: http.NoBody, Request: r}, nil
+		})
+		var got []time.Duration
+		tr := NewTransport(base, WithBackoff(noWait),
+			WithAttemptHook(func(a Attempt) { got = append(got, a.Elapsed) }))
+		req, err := http.NewRequest(http.MethodGet, "http://example.com/", nil)
+		require.NoError(t, err)
+
+		resp, err := tr.RoundTrip(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+
+		assert.Equal(t, delays, got)
+	})
 }

@@ -22,7 +22,7 @@ type config struct {
 	maxAttempts    int
 	backoff        Backoff
 	keyStore       KeyStore
-	keyHeader      string
+	keyHeader      string // in canonical form
 	keyedMethods   []string
 	structuredKey  bool
 	newKey         func() (string, error)
@@ -40,6 +40,9 @@ type config struct {
 	maxHosts  int           // hosts with breakers and limiters
 	idleHost  time.Duration // after which a host is forgotten
 }
+
+// observed reports whether a hook or a logger is told about attempts.
+func (c *config) observed() bool { return c.hook != nil || c.logger != nil }
 
 func newConfig(opts []Option) config {
 	c := config{

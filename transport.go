@@ -230,7 +230,7 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 // pending key, the key of the request a redirect answered, or a new one.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
-	c.key = c.req.Header.Get(cfg.keyHeader)
+	c.key = headerValue(c.req.Header, cfg.keyHeader)
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
 		key := c.redirectedKey()
 		var err error
@@ -268,7 +268,7 @@ func (c *call) redirectedKey() string {
 		(prev.StatusCode != http.StatusTemporaryRedirect && prev.StatusCode != http.StatusPermanentRedirect) {
 		return ""
 	}
-	value := prev.Request.Header.Get(c.t.cfg.keyHeader)
+	value := headerValue(prev.Request.Header, c.t.cfg.keyHeader)
 	if c.t.cfg.structuredKey && value != "" {
 		key, err := sfv.Unquote(value)
 		if err != nil {
@@ -297,7 +297,7 @@ func (c *call) admit(n int) (Reason, error) {
 	c.admitted = time.Now()
 	if b := c.t.breakers; b != nil {
 		ticket, changes, err := b.allow(c.host, c.admitted)
-		c.changes = append(c.changes, changes...)
+		c.noteChanges(changes)
 		if err != nil {
 			return ReasonCircuitOpen, err
 		}
@@ -307,6 +307,14 @@ func (c *call) admit(n int) (Reason, error) {
 		c.t.cfg.budget.recordFirst(c.host, c.admitted)
 	}
 	return "", nil
+}
+
+// noteChanges keeps breaker changes to report with the attempt. Almost
+// always there are none, and then it does nothing.
+func (c *call) noteChanges(changes []BreakerChange) {
+	if len(changes) > 0 {
+		c.changes = append(c.changes, changes...)
+	}
 }
 
 // settle tells the host's breaker and rate limiter how an attempt went.
@@ -322,7 +330,7 @@ func (c *call) settle(o outcome) {
 		case o.err != nil || o.resp.StatusCode >= 500:
 			result = outcomeFailure
 		}
-		c.changes = append(c.changes, c.breaker.done(result)...)
+		c.noteChanges(c.breaker.done(result))
 		c.breaker = breakerTicket{}
 	}
 	if c.t.limiters != nil && o.resp != nil {
@@ -369,7 +377,10 @@ func (c *call) attempt(n int) outcome {
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
-	o.elapsed = time.Since(c.admitted)
+	if c.t.cfg.observed() {
+		// Only a hook or a logger reads it; a clock reading is not free.
+		o.elapsed = time.Since(c.admitted)
+	}
 	if o.err != nil && o.resp != nil {
 		// The base transport broke its contract; keep only the error.
 		discard(o.resp)
@@ -379,6 +390,16 @@ func (c *call) attempt(n int) outcome {
 		o.err = errNilResponse
 	}
 	return o
+}
+
+// headerValue returns the first value of h's field named key, which must be
+// in canonical form, as [http.Header.Get] would. Unlike Get it does not
+// canonicalize key again, which costs more than the lookup itself.
+func headerValue(h http.Header, key string) string {
+	if vv := h[key]; len(vv) > 0 {
+		return vv[0]
+	}
+	return ""
 }
 
 // attemptHeader returns a copy of the caller's header with the key added.
@@ -462,7 +483,7 @@ func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 	cfg := &c.t.cfg
 	changes := c.changes
 	c.changes = nil
-	if cfg.hook == nil && cfg.logger == nil {
+	if !cfg.observed() {
 		return
 	}
 	a := Attempt{

@@ -9,8 +9,12 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/idemhttp/idemhttp/internal/cputime"
 )
 
 // BenchmarkTransport measures the happy path, one request at a time over a
@@ -23,52 +27,190 @@ import (
 //	benchstat -col /impl bench.txt
 func BenchmarkTransport(b *testing.B) {
 	url := startBenchServer(b)
-	payload := bytes.Repeat([]byte("p"), 1024)
 
 	impls := []struct {
 		name string
 		wrap func(http.RoundTripper) http.RoundTripper
 	}{
 		{"bare", func(rt http.RoundTripper) http.RoundTripper { return rt }},
-		{"bare+key", func(rt http.RoundTripper) http.RoundTripper {
-			return roundTripFunc(func(r *http.Request) (*http.Response, error) {
-				if r.Method == http.MethodPost {
-					key, _ := newUUIDv7()
-					r.Header.Set(DefaultKeyHeader, key)
-				}
-				return rt.RoundTrip(r)
-			})
-		}},
+		{"bare+key", keyByHand},
 		{"idemhttp", func(rt http.RoundTripper) http.RoundTripper { return NewTransport(rt) }},
 	}
-	reqs := []struct {
-		name string
-		make func() *http.Request
-	}{
-		{"GET", func() *http.Request { r, _ := http.NewRequest("GET", url, nil); return r }},
-		{"POST-1KiB", func() *http.Request {
-			r, _ := http.NewRequest("POST", url, bytes.NewReader(payload))
-			return r
-		}},
-	}
-	for _, rq := range reqs {
+	for _, rq := range benchRequests(url) {
 		for _, impl := range impls {
 			b.Run("req="+rq.name+"/impl="+impl.name, func(b *testing.B) {
 				base := http.DefaultTransport.(*http.Transport).Clone()
 				defer base.CloseIdleConnections()
 				rt := impl.wrap(base)
 				b.ReportAllocs()
+				cpu := cputime.Start()
 				for b.Loop() {
-					resp, err := rt.RoundTrip(rq.make())
-					if err != nil {
-						b.Fatal(err)
-					}
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
+					benchRoundTrip(b, rt, rq.make())
 				}
+				cpu.Report(b, b.N)
 			})
 		}
 	}
+}
+
+// benchRequest is a kind of request the loopback benchmarks send.
+type benchRequest struct {
+	name string
+	make func() *http.Request
+}
+
+// benchRequests are a GET and a POST of 1 KiB to url.
+func benchRequests(url string) []benchRequest {
+	payload := bytes.Repeat([]byte("p"), 1024)
+	return []benchRequest{
+		{"GET", func() *http.Request { r, _ := http.NewRequest("GET", url, nil); return r }},
+		{"POST-1KiB", func() *http.Request {
+			r, _ := http.NewRequest("POST", url, bytes.NewReader(payload))
+			return r
+		}},
+	}
+}
+
+// benchRoundTrip sends req through rt and reads and closes the response.
+func benchRoundTrip(b *testing.B, rt http.RoundTripper, req *http.Request) {
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		b.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+}
+
+// BenchmarkTransportPaired measures idemhttp against a bare http.Transport
+// over loopback, to a server in another process, in one run: bare, bare+key
+// (a key set by hand on each POST, the same bytes on the wire as idemhttp's)
+// and idemhttp send in turn, in blocks of pairedBlock requests, the order
+// rotating and reversing from round to round, so that the machine's load
+// and its drift over the run weigh on all alike. Each has its own
+// http.Transport and so its own keep-alive connection. Every b.N sends b.N
+// requests with each.
+//
+// It reports, per request, each side's wall time (bare-ns/req, ...) and the
+// CPU time of this process, user and system, which counts the runtime's
+// work too (bare-cpu-ns/req, ...), and the medians over the blocks of each
+// side's time divided by bare's in the same round (idemhttp/bare-wall,
+// idemhttp/bare-cpu, ...). The built-in ns/op is the time of one request
+// by each side. Compare runs with
+//
+//	benchstat paired.txt
+func BenchmarkTransportPaired(b *testing.B) {
+	url := startBenchServer(b)
+	for _, rq := range benchRequests(url) {
+		b.Run("req="+rq.name, func(b *testing.B) {
+			var sides []*pairedSide
+			for _, s := range []struct {
+				name string
+				wrap func(http.RoundTripper) http.RoundTripper
+			}{
+				{"bare", func(rt http.RoundTripper) http.RoundTripper { return rt }},
+				{"bare+key", keyByHand},
+				{"idemhttp", func(rt http.RoundTripper) http.RoundTripper { return NewTransport(rt) }},
+			} {
+				base := http.DefaultTransport.(*http.Transport).Clone()
+				defer base.CloseIdleConnections()
+				side := &pairedSide{name: s.name, rt: s.wrap(base)}
+				benchRoundTrip(b, side.rt, rq.make()) // open the connection
+				sides = append(sides, side)
+			}
+			b.ResetTimer()
+			order := make([]int, len(sides))
+			for done, round := 0, 0; done < b.N; round++ {
+				n := min(pairedBlock, b.N-done)
+				for i := range order {
+					order[i] = (round + i) % len(sides)
+				}
+				if round/len(sides)%2 == 1 {
+					slices.Reverse(order)
+				}
+				for _, i := range order {
+					sides[i].block(b, n, rq.make)
+				}
+				done += n
+			}
+			for _, s := range sides {
+				s.report(b)
+			}
+			for _, s := range sides[1:] {
+				b.ReportMetric(median(ratios(s.wall, sides[0].wall)), s.name+"/bare-wall")
+				b.ReportMetric(median(ratios(s.cpu, sides[0].cpu)), s.name+"/bare-cpu")
+			}
+		})
+	}
+}
+
+// pairedBlock is how many requests one side of BenchmarkTransportPaired
+// sends before the next takes over: enough that reading the clocks costs
+// nothing in comparison, few enough that both sides see the same load.
+const pairedBlock = 64
+
+// pairedSide is one side of BenchmarkTransportPaired, with the wall and CPU
+// time per request of each of its blocks.
+type pairedSide struct {
+	name      string
+	rt        http.RoundTripper
+	wall, cpu []float64 // ns per request, per block
+	n         int       // requests sent
+}
+
+// block sends n requests and records their time.
+func (s *pairedSide) block(b *testing.B, n int, make func() *http.Request) {
+	start, cpu := time.Now(), cputime.Start()
+	for range n {
+		benchRoundTrip(b, s.rt, make())
+	}
+	s.wall = append(s.wall, float64(time.Since(start).Nanoseconds())/float64(n))
+	s.cpu = append(s.cpu, float64(cpu.Elapsed().Nanoseconds())/float64(n))
+	s.n += n
+}
+
+// report adds the side's mean times per request to b's results.
+func (s *pairedSide) report(b *testing.B) {
+	mean := func(v []float64) float64 {
+		var sum float64
+		for _, x := range v {
+			sum += x
+		}
+		return sum / float64(len(v))
+	}
+	b.ReportMetric(mean(s.wall), s.name+"-ns/req")
+	if cputime.Supported {
+		b.ReportMetric(mean(s.cpu), s.name+"-cpu-ns/req")
+	}
+}
+
+// ratios returns a[i]/b[i] for each block.
+func ratios(a, b []float64) []float64 {
+	r := make([]float64, len(a))
+	for i := range a {
+		r[i] = a[i] / b[i]
+	}
+	return r
+}
+
+func median(v []float64) float64 {
+	v = slices.Clone(v)
+	slices.Sort(v)
+	if len(v)%2 == 1 {
+		return v[len(v)/2]
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+}
+
+// keyByHand wraps rt so that every POST carries a fresh UUIDv7 key, set by
+// hand on the caller's request: what sending a key costs without idemhttp.
+func keyByHand(rt http.RoundTripper) http.RoundTripper {
+	return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		if r.Method == http.MethodPost {
+			key, _ := newUUIDv7()
+			r.Header.Set(DefaultKeyHeader, key)
+		}
+		return rt.RoundTrip(r)
+	})
 }
 
 // benchServerEnv, when set, makes the test binary serve for a benchmark
@@ -124,30 +266,70 @@ func serveForBenchmark() {
 // request: the base transport answers at once from memory, so nothing but
 // the wrapper's own work is measured, without the network's noise.
 func BenchmarkTransportOverhead(b *testing.B) {
+	inMemory(b, func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request) {
+		b.ReportAllocs()
+		for b.Loop() {
+			memoryRoundTrip(b, rt, newRequest())
+		}
+	})
+}
+
+// BenchmarkTransportOverheadCold is BenchmarkTransportOverhead with the
+// caches cold, as they are for a client that waits on the network between
+// requests while other work runs: before each request it writes to every
+// cache line of a buffer larger than the caches it can evict. It reports
+// the median time of a RoundTrip alone (rt-ns/op); its ns/op is mostly
+// the eviction's.
+func BenchmarkTransportOverheadCold(b *testing.B) {
+	evict := make([]byte, 16<<20)
+	inMemory(b, func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request) {
+		took := make([]float64, 0, b.N)
+		for b.Loop() {
+			for i := 0; i < len(evict); i += 64 {
+				evict[i]++
+			}
+			req := newRequest()
+			start := time.Now()
+			memoryRoundTrip(b, rt, req)
+			took = append(took, float64(time.Since(start).Nanoseconds()))
+		}
+		b.ReportMetric(median(took), "rt-ns/op")
+	})
+}
+
+// inMemory runs bench for a GET and a 1 KiB POST, each through a base
+// transport that answers 200 at once from memory and through idemhttp
+// over it.
+func inMemory(b *testing.B, bench func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request)) {
 	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
 		return &http.Response{StatusCode: 200, Header: http.Header{}, Body: http.NoBody, Request: r}, nil
 	})
 	payload := bytes.Repeat([]byte("p"), 1024)
 	for _, method := range []string{"GET", "POST"} {
+		newRequest := func() *http.Request {
+			var body io.Reader
+			if method == "POST" {
+				body = bytes.NewReader(payload)
+			}
+			req, _ := http.NewRequest(method, "https://api.example.com/v1/charges", body)
+			return req
+		}
 		for _, impl := range []struct {
 			name string
 			rt   http.RoundTripper
 		}{{"bare", base}, {"idemhttp", NewTransport(base)}} {
 			b.Run("req="+method+"/impl="+impl.name, func(b *testing.B) {
-				b.ReportAllocs()
-				for b.Loop() {
-					var body io.Reader
-					if method == "POST" {
-						body = bytes.NewReader(payload)
-					}
-					req, _ := http.NewRequest(method, "https://api.example.com/v1/charges", body)
-					resp, err := impl.rt.RoundTrip(req)
-					if err != nil {
-						b.Fatal(err)
-					}
-					resp.Body.Close()
-				}
+				bench(b, impl.rt, newRequest)
 			})
 		}
 	}
+}
+
+// memoryRoundTrip sends req through rt and closes the response body.
+func memoryRoundTrip(b *testing.B, rt http.RoundTripper, req *http.Request) {
+	resp, err := rt.RoundTrip(req)
+	if err != nil {
+		b.Fatal(err)
+	}
+	resp.Body.Close()
 }

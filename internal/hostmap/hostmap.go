@@ -55,7 +55,13 @@ func (m *Map[V]) Get(host string, now time.Time) V {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.evict(now)
-	if el, ok := m.byKey[host]; ok {
+	el := m.lru.Front()
+	if el == nil || el.Value.(*entry[V]).host != host {
+		// Most calls repeat the last host, which is at the front; only
+		// the others pay for hashing it.
+		el = m.byKey[host]
+	}
+	if el != nil {
 		e := el.Value.(*entry[V])
 		if now.After(e.lastUsed) {
 			e.lastUsed = now
@@ -95,9 +101,10 @@ func (m *Map[V]) evict(now time.Time) {
 	if m.idle <= 0 {
 		return
 	}
-	cutoff := now.Add(-m.idle)
 	for el := m.lru.Back(); el != nil; el = m.lru.Back() {
-		if !el.Value.(*entry[V]).lastUsed.Before(cutoff) {
+		// Sub of two monotonic readings is a subtraction; now.Add(-idle)
+		// would rebuild a Time on every call.
+		if now.Sub(el.Value.(*entry[V]).lastUsed) <= m.idle {
 			return
 		}
 		m.remove(el)
