@@ -71,8 +71,10 @@
 // # The clock
 //
 // The database's clock is the only clock for leases and expiry: statements
-// set and compare expires_at with now(), so instances whose clocks disagree
-// still agree on every lease. The times the middleware passes are read as
+// set and compare expires_at with the server's clock (now(), or for the
+// retention Complete sets, the time of its own statement, since in
+// transactional mode now() is the claim's), so instances whose clocks
+// disagree still agree on every lease. The times the middleware passes are read as
 // durations: a claim's lease is Claim.LeaseExpires minus Claim.Now, and
 // the expiry given to Complete or Extend is measured from the moment of
 // the call on this process's clock. The times the store reports (a record's
