@@ -53,10 +53,11 @@
 //     run the request again, in a new transaction, up to
 //     [idemserver.MaxReruns] times; a handler whose own statement fails so
 //     asks with [Rerun].
-//   - A COMMIT whose outcome is unknown (the connection died during it) is
-//     reported with [idemserver.ErrOutcomeUnknown] and never followed by a
-//     release: the client gets 503 with Retry-After, and its retry finds
-//     in the table what committed.
+//   - A COMMIT whose outcome is unknown (the connection died during it, or
+//     an error other than the server's refusal answered it, such as a
+//     pooler's) is reported with [idemserver.ErrOutcomeUnknown] and never
+//     followed by a release: the client gets 503 with Retry-After, and its
+//     retry finds in the table what committed.
 //
 // A new key costs five round trips (read, BEGIN, claim, complete, COMMIT)
 // besides the handler's own, a replay one, and a duplicate in flight four
