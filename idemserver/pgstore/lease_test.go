@@ -320,3 +320,30 @@ func TestTwoInstancesExecuteOnce(t *testing.T) {
 		assert.Equal(t, bodies[0], bodies[i], "request %d", i)
 	}
 }
+
+func TestMiddlewareClockNotTheStoresNeverRunsTwice(t *testing.T) {
+	// A middleware whose clock (idemserver.WithClock) is far from the one
+	// the store turns Complete's and Extend's times into durations with
+	// must not have its records kept for no time: a retry would run the
+	// handler again.
+	for _, mode := range []struct {
+		name string
+		opts []Option
+	}{{"lease", nil}, {"transactional", []Option{WithTransactional()}}} {
+		t.Run(mode.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			s := db.newStore(t, mode.opts...)
+			past := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
+			var runs atomic.Int64
+			h := idemserver.Middleware(s, idemserver.WithClock(func() time.Time { return past }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					w.WriteHeader(http.StatusCreated)
+				}))
+			for range 2 {
+				post(h, "k")
+			}
+			assert.LessOrEqual(t, runs.Load(), int64(1), "handler runs for one key")
+		})
+	}
+}
