@@ -26,11 +26,14 @@ import (
 // loses the connection that sends a COMMIT: before the COMMIT reaches the
 // server (nothing is committed), or after the server answered it
 // (everything is), before the answer reaches the client. Either way the
-// client cannot tell which.
+// client cannot tell which. In place of the server's answer it may send one
+// of its own, as a connection pooler in front of the server does when it
+// loses its server connection.
 type commitCutter struct {
 	ln       net.Listener
 	target   string
-	deliver  bool // forward the COMMIT before cutting
+	deliver  bool   // forward the COMMIT before cutting
+	answer   []byte // sent to the client in place of the server's answer
 	armed    atomic.Bool
 	cut      atomic.Bool
 	wg       sync.WaitGroup
@@ -82,6 +85,9 @@ func (p *commitCutter) accept() {
 			for {
 				n, err := server.Read(buf)
 				if dropReplies.Load() {
+					if p.answer != nil {
+						_, _ = client.Write(p.answer)
+					}
 					_ = client.Close()
 					_ = server.Close()
 					return
@@ -165,13 +171,35 @@ func (r *releaseCounter) Release(ctx context.Context, key idemserver.Key, token 
 	return r.Store.Release(ctx, key, token)
 }
 
+// errorResponse returns a PostgreSQL ErrorResponse message of severity
+// FATAL with the SQLSTATE code and message.
+func errorResponse(code, message string) []byte {
+	var fields []byte
+	for _, f := range []struct {
+		typ byte
+		val string
+	}{{'S', "FATAL"}, {'V', "FATAL"}, {'C', code}, {'M', message}} {
+		fields = append(append(append(fields, f.typ), f.val...), 0)
+	}
+	fields = append(fields, 0)
+	msg := []byte{'E', 0, 0, 0, 0}
+	binary.BigEndian.PutUint32(msg[1:], uint32(4+len(fields)))
+	return append(msg, fields...)
+}
+
 func TestConnectionLostAtCommit(t *testing.T) {
 	for _, tt := range []struct {
 		name      string
 		committed bool
+		answer    []byte // the client's answer to the COMMIT, if any
 	}{
-		{"before the server got the COMMIT", false},
-		{"after the server committed", true},
+		{"before the server got the COMMIT", false, nil},
+		{"after the server committed", true, nil},
+		// A pooler (PgBouncer) that loses its server connection while a
+		// query is out answers with an error of its own: an SQLSTATE that
+		// does not say the server rolled back.
+		{"after the server committed, answered by a pooler", true, errorResponse("08P01", "server conn crashed?")},
+		{"after the server committed, answered by a shutdown", true, errorResponse("57P01", "terminating connection due to administrator command")},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			db := newTestDB(t, 4)
@@ -182,6 +210,7 @@ func TestConnectionLostAtCommit(t *testing.T) {
 			cfg, err := pgx.ParseConfig(db.dsn)
 			require.NoError(t, err)
 			proxy := newCommitCutter(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), tt.committed)
+			proxy.answer = tt.answer
 			cfg.Host, cfg.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
 			cfg.RuntimeParams["search_path"] = db.schema
 			pool := stdlib.OpenDB(*cfg)
@@ -204,6 +233,8 @@ func TestConnectionLostAtCommit(t *testing.T) {
 			assert.Zero(t, store.releases.Load(), "a COMMIT of unknown outcome is never followed by a release")
 			require.Len(t, events, 1)
 			assert.ErrorIs(t, events[0].Err, idemserver.ErrOutcomeUnknown)
+			assert.NotErrorIs(t, events[0].Err, idemserver.ErrRolledBack, "a COMMIT of unknown outcome is not reported rolled back")
+			assert.NotContains(t, body, "rolled back")
 
 			// The retry learns from the table what committed. Until the
 			// server sees the lost connection and rolls it back, the

@@ -159,15 +159,19 @@ func TestRoundTrips(t *testing.T) {
 }
 
 func TestDatabaseClockIsTheOnlyClock(t *testing.T) {
-	// Claims stamped by clocks far off the database's still agree on the
-	// lease: only its length counts, measured on the database's clock.
+	// Claims stamped by clocks far off the database's (instances whose
+	// clocks are skewed, each store with its instance's clock) still agree
+	// on the lease: only its length counts, measured on the database's
+	// clock.
 	db := newTestDB(t, 4)
 	s := db.newStore(t)
 	for _, skew := range []time.Duration{-24 * time.Hour, 24 * time.Hour} {
+		skewed, err := New(db.DB, WithTable(s.table.name), WithClock(func() time.Time { return time.Now().Add(skew) }))
+		require.NoError(t, err)
 		key := fmt.Sprintf("skew %v", skew)
 		c := testClaim(key, time.Hour)
 		c.Now, c.LeaseExpires = c.Now.Add(skew), c.LeaseExpires.Add(skew)
-		res, err := s.Claim(t.Context(), c)
+		res, err := skewed.Claim(t.Context(), c)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
 
@@ -319,4 +323,74 @@ func TestTwoInstancesExecuteOnce(t *testing.T) {
 		assert.Equal(t, http.StatusCreated, statuses[i], "request %d: %s", i, bodies[i])
 		assert.Equal(t, bodies[0], bodies[i], "request %d", i)
 	}
+}
+
+func TestMiddlewareClockNotTheStoresNeverRunsTwice(t *testing.T) {
+	// A middleware whose clock (idemserver.WithClock) is far from the one
+	// the store turns Complete's and Extend's times into durations with
+	// must not have its records kept for no time: a retry would run the
+	// handler again. Without the store's WithClock its claims are refused
+	// (503); with it, the record is kept and replayed.
+	past := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
+	clock := func() time.Time { return past }
+	for _, mode := range []struct {
+		name string
+		opts []Option
+	}{{"lease", nil}, {"transactional", []Option{WithTransactional()}}} {
+		for _, tt := range []struct {
+			name       string
+			storeClock bool
+			status     int
+			runs       int64
+		}{
+			{"store without the clock", false, http.StatusServiceUnavailable, 0},
+			{"store with the clock", true, http.StatusCreated, 1},
+		} {
+			t.Run(mode.name+"/"+tt.name, func(t *testing.T) {
+				db := newTestDB(t, 4)
+				opts := mode.opts
+				if tt.storeClock {
+					opts = append([]Option{WithClock(clock)}, opts...)
+				}
+				s := db.newStore(t, opts...)
+				var runs atomic.Int64
+				var errs []error
+				h := idemserver.Middleware(s, idemserver.WithClock(clock),
+					idemserver.WithObserver(func(e idemserver.Event) { errs = append(errs, e.Err) }))(
+					http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+						runs.Add(1)
+						w.WriteHeader(http.StatusCreated)
+					}))
+				status, body, _ := post(h, "k")
+				assert.Equal(t, tt.status, status, body)
+				status, body, replayed := post(h, "k")
+				assert.Equal(t, tt.status, status, body)
+				assert.Equal(t, tt.storeClock, replayed, "the retry is replayed")
+				assert.Equal(t, tt.runs, runs.Load(), "handler runs for one key")
+				if !tt.storeClock {
+					require.NotEmpty(t, errs)
+					assert.ErrorIs(t, errs[0], ErrClockSkew)
+				}
+			})
+		}
+	}
+}
+
+func TestExtendWithTheStoresClock(t *testing.T) {
+	// An extension is measured on the store's clock: with the middleware's
+	// clock given to it, a lease extended for an hour from a time long past
+	// lasts an hour.
+	past := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
+	db := newTestDB(t, 4)
+	s := db.newStore(t, WithClock(func() time.Time { return past }))
+	c := idemserver.Claim{Key: idemserver.Key{Key: "k"}, Token: "t", Now: past, LeaseExpires: past.Add(time.Second)}
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	require.NoError(t, s.Extend(t.Context(), c.Key, c.Token, past.Add(time.Hour)))
+	res, err = s.Claim(t.Context(), idemserver.Claim{Key: c.Key, Token: "u", Now: past, LeaseExpires: past.Add(time.Second)})
+	require.NoError(t, err)
+	require.False(t, res.Claimed)
+	left := res.Record.LeaseExpires.Sub(past)
+	assert.True(t, left > 50*time.Minute && left <= time.Hour, "lease left: %v", left)
 }

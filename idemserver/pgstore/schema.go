@@ -128,8 +128,12 @@ WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)`),
 		replace: r.Replace(`UPDATE {table}
 SET fingerprint = $3, token = $4, expires_at = now() + $5::float8 * interval '1 second', response = NULL
 WHERE scope = $1 AND key = $2 AND token = $6 AND expires_at <= now()`),
+		// complete measures the retention from the statement, not from
+		// now(), the start of its transaction: in transactional mode that
+		// is the claim, and the handler may have run for longer than the
+		// retention since.
 		complete: r.Replace(`UPDATE {table}
-SET response = $4, expires_at = now() + $5::float8 * interval '1 second'
+SET response = $4, expires_at = statement_timestamp() + $5::float8 * interval '1 second'
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		release: r.Replace(`DELETE FROM {table}
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),

@@ -53,10 +53,11 @@
 //     run the request again, in a new transaction, up to
 //     [idemserver.MaxReruns] times; a handler whose own statement fails so
 //     asks with [Rerun].
-//   - A COMMIT whose outcome is unknown (the connection died during it) is
-//     reported with [idemserver.ErrOutcomeUnknown] and never followed by a
-//     release: the client gets 503 with Retry-After, and its retry finds
-//     in the table what committed.
+//   - A COMMIT whose outcome is unknown (the connection died during it, or
+//     an error other than the server's refusal answered it, such as a
+//     pooler's) is reported with [idemserver.ErrOutcomeUnknown] and never
+//     followed by a release: the client gets 503 with Retry-After, and its
+//     retry finds in the table what committed.
 //
 // A new key costs five round trips (read, BEGIN, claim, complete, COMMIT)
 // besides the handler's own, a replay one, and a duplicate in flight four
@@ -71,15 +72,20 @@
 // # The clock
 //
 // The database's clock is the only clock for leases and expiry: statements
-// set and compare expires_at with now(), so instances whose clocks disagree
-// still agree on every lease. The times the middleware passes are read as
-// durations: a claim's lease is Claim.LeaseExpires minus Claim.Now, and
-// the expiry given to Complete or Extend is measured from the moment of
-// the call on this process's clock. The times the store reports (a record's
-// LeaseExpires and Expires) are Claim.Now plus what remains by the
-// database's clock, so the middleware compares them with Claim.Now as it
-// would a time of its own. Faking the middleware's clock (see
-// [idemserver.WithClock]) therefore does not move this store's.
+// set and compare expires_at with the server's clock (now(), or for the
+// retention Complete sets, the time of its own statement, since in
+// transactional mode now() is the claim's), so instances whose clocks
+// disagree still agree on every lease. The times the middleware passes are
+// read as durations: a claim's lease is Claim.LeaseExpires minus
+// Claim.Now, and the expiry given to Complete or Extend is measured from
+// the moment of the call on the store's clock, which must be the
+// middleware's: time.Now, unless [WithClock] gives the store the clock
+// given to [idemserver.WithClock]. A claim stamped by a clock far from the
+// store's fails (see [ErrClockSkew]) rather than have its record kept for
+// the wrong time. The times the store reports (a record's LeaseExpires and
+// Expires) are Claim.Now plus what remains by the database's clock, so the
+// middleware compares them with Claim.Now as it would a time of its own,
+// and a faked clock, given to both, does not move the database's.
 //
 // # Stored responses
 //
@@ -115,6 +121,7 @@ type Store struct {
 	table         tableName
 	q             statements
 	transactional bool
+	now           func() time.Time
 
 	// testHookRerun, when set, is called each time a claim statement
 	// is run again; see claim.
@@ -127,7 +134,28 @@ type Option func(*config)
 type config struct {
 	table         string
 	transactional bool
+	now           func() time.Time
 }
+
+// WithClock sets the clock the store reads to turn the times that Complete
+// and Extend are given into durations: it must be the middleware's (see
+// [idemserver.WithClock]). Nil means time.Now, the middleware's default.
+//
+// A claim stamped more than [MaxClockSkew] away from this clock fails with
+// an error wrapping [ErrClockSkew], so that a middleware with a clock of its
+// own and a store without it are refused (503) rather than keep records and
+// leases for the wrong time.
+func WithClock(now func() time.Time) Option {
+	return func(c *config) { c.now = now }
+}
+
+// MaxClockSkew is how far a claim's time (Claim.Now) may be from the
+// store's clock (see [WithClock]).
+const MaxClockSkew = 5 * time.Second
+
+// ErrClockSkew is returned, wrapped, by Claim and TakeOver for a claim
+// whose time is more than [MaxClockSkew] from the store's clock.
+var ErrClockSkew = errors.New("pgstore: the middleware's clock is not the store's; see pgstore.WithClock")
 
 // WithTable sets the table that holds the records: a name, or a schema and
 // a name joined by a dot, each an ASCII letter or underscore followed by up
@@ -151,11 +179,23 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	for _, o := range opts {
 		o(&cfg)
 	}
+	if cfg.now == nil {
+		cfg.now = time.Now
+	}
 	t, err := parseTable(cfg.table)
 	if err != nil {
 		return nil, err
 	}
-	return &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional}, nil
+	return &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now}, nil
+}
+
+// checkClock returns an error wrapping ErrClockSkew when c was stamped too
+// far from the store's clock.
+func (s *Store) checkClock(c idemserver.Claim) error {
+	if d := c.Now.Sub(s.now()); d > MaxClockSkew || d < -MaxClockSkew {
+		return fmt.Errorf("%w: claim of %q stamped %v from it", ErrClockSkew, c.Key.Key, d)
+	}
+	return nil
 }
 
 // maxClaimRuns bounds how many times one claim runs its statement: each
@@ -167,6 +207,9 @@ const maxClaimRuns = 8
 // Claim implements [idemserver.Store] in one round trip, or two when the
 // row found has expired and is replaced.
 func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	if err := s.checkClock(c); err != nil {
+		return idemserver.ClaimResult{}, err
+	}
 	if s.transactional {
 		return s.claimTx(ctx, c)
 	}
@@ -177,6 +220,9 @@ func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.Claim
 // holds expiredToken and its lease has ended by the database's clock, and
 // otherwise claims the key as Claim does.
 func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	if err := s.checkClock(c); err != nil {
+		return idemserver.ClaimResult{}, err
+	}
 	if s.transactional {
 		// A claim in transactional mode has no lease to take over: it
 		// ends with its transaction.
@@ -284,10 +330,10 @@ func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, toke
 }
 
 // Complete implements [idemserver.Store]: it stores resp, to be kept until
-// expires (measured from now on this process's clock, and applied to the
-// database's).
+// expires (measured from now on the store's clock, see [WithClock], and
+// applied to the database's).
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
-	encoded, ttl := respcodec.Encode(resp), seconds(time.Until(expires))
+	encoded, ttl := respcodec.Encode(resp), seconds(expires.Sub(s.now()))
 	if s.transactional {
 		st := stateOf(ctx, key, token)
 		if st == nil {
@@ -319,7 +365,8 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 }
 
 // Extend implements [idemserver.Store]: the lease ends at leaseExpires,
-// measured from now on this process's clock and applied to the database's.
+// measured from now on the store's clock (see [WithClock]) and applied to
+// the database's.
 func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
 	if s.transactional {
 		// The claim holds while its transaction is open, however long.
@@ -328,7 +375,7 @@ func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, le
 		}
 		return nil
 	}
-	n, err := execRows(ctx, s.db, s.q.extend, []byte(key.Scope), key.Key, token, seconds(time.Until(leaseExpires)))
+	n, err := execRows(ctx, s.db, s.q.extend, []byte(key.Scope), key.Key, token, seconds(leaseExpires.Sub(s.now())))
 	if err != nil {
 		return fmt.Errorf("pgstore: extend: %w", err)
 	}

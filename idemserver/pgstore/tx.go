@@ -219,14 +219,29 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 	switch {
 	case err == nil:
 		return nil
-	case sqlState(err) != "":
-		// The server answered the COMMIT: it rolled back.
+	case commitRefused(err):
+		// The server refused the COMMIT: it rolled back.
 		return s.rolledBack(st, err)
 	}
-	// The connection failed during the COMMIT: it may or may not have
-	// committed. Nothing may be released; the client's retry reads what
-	// the table holds.
+	// The connection failed during the COMMIT, or something other than
+	// the server's refusal answered it: it may or may not have committed.
+	// Nothing may be released; the client's retry reads what the table
+	// holds.
 	return fmt.Errorf("pgstore: commit: %w: %w", idemserver.ErrOutcomeUnknown, err)
+}
+
+// commitRefused reports whether err, from a COMMIT, is the server's answer
+// that it rolled the transaction back: a serialization failure or deadlock
+// found at commit (SQLSTATE class 40) or a deferred constraint violated
+// (class 23). Any other answer may come after the commit was made durable:
+// a pooler that lost its server connection answers with one of its own
+// (PgBouncer's 08P01), a server being shut down or terminating the session
+// with 57P01, and errors past the commit record with whatever they have.
+// Reporting those as unknown costs the client nothing, since its retry
+// learns from the table what committed.
+func commitRefused(err error) bool {
+	state := sqlState(err)
+	return len(state) == 5 && (state[:2] == "40" || state[:2] == "23")
 }
 
 // rolledBack returns the error of a transaction that was rolled back

@@ -261,3 +261,29 @@ func TestTransactionalRerunsOnConflicts(t *testing.T) {
 		})
 	}
 }
+
+func TestTransactionalRetentionRunsFromTheCommit(t *testing.T) {
+	// The record is kept for the TTL from when it is stored, however long
+	// its handler ran: a record whose retention ran from the claim would
+	// be committed short, or already expired when the handler took longer
+	// than the TTL, and a retry would run the handler again.
+	const ttl = time.Hour
+	db := newTestDB(t, 4)
+	s := db.newStore(t, WithTransactional())
+	var handlerEnd time.Time // the database's clock as the handler ends
+	h := idemserver.Middleware(s, idemserver.WithTTL(ttl))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// The handler's work takes a while, by the database's clock.
+		require.NoError(t, Tx(r.Context()).QueryRowContext(r.Context(),
+			"SELECT clock_timestamp() FROM pg_sleep(0.2)").Scan(&handlerEnd))
+		w.WriteHeader(http.StatusCreated)
+	}))
+	status, body, _ := post(h, "k")
+	require.Equal(t, http.StatusCreated, status, body)
+
+	var expires time.Time
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT expires_at FROM "+s.table.quoted()).Scan(&expires))
+	// The retention was given after the handler ended and applied after
+	// that; a millisecond covers the rounding to microseconds.
+	assert.False(t, expires.Before(handlerEnd.Add(ttl-time.Millisecond)),
+		"the record expires %v after the handler ended; want at least the TTL, %v", expires.Sub(handlerEnd), ttl)
+}
