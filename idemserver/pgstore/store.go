@@ -63,8 +63,14 @@
 // besides the handler's own, a replay one, and a duplicate in flight four
 // (read, BEGIN, claim, ROLLBACK). Each claimed request holds a pool
 // connection while its handler runs, so size the pool for the requests in
-// flight; PostgreSQL's idle_in_transaction_session_timeout bounds a
-// transaction whose process hung. The transaction has the database's
+// flight, and count the wait for a free connection in the request's time.
+// Set PostgreSQL's idle_in_transaction_session_timeout (it is off by
+// default) to bound a transaction whose process hung. A statement of the
+// handler's that fails aborts the whole transaction, so that Complete
+// cannot store anything and the client gets 503: a handler that answers a
+// refusal after a failed statement (a 409 for a unique violation, say)
+// runs that statement inside a SAVEPOINT and rolls back to it first. The
+// handler must not commit or roll back Tx itself. The transaction has the database's
 // default isolation level. The advisory locks are 64-bit hashes of the
 // table, scope and key, in the database's one advisory lock space. A table
 // serves one mode: lease-mode and transactional stores must not share it.
