@@ -44,10 +44,13 @@
 // Nothing needs sweeping.
 //
 // go-redis sends a command again when a connection fails before its reply
-// arrives. A claim that Redis ran, sent again, finds its own lease token and
-// still reports the claim. A completion sent again reports
-// [idemserver.ErrLeaseLost] to the middleware's observer, although the
-// response was stored.
+// arrives. A claim or takeover that Redis ran, sent again, finds its own
+// lease token and still reports the claim; a completion sent again finds
+// the record completed under its token (the record keeps it) with its
+// response, and still reports success. A release sent again finds nothing of its own and
+// reports [idemserver.ErrLeaseLost] to the middleware's observer, but
+// changes nothing: the key is free, or claimed by another request, whose
+// record it leaves alone.
 //
 // # What Redis does not give
 //

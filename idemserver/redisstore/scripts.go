@@ -8,6 +8,8 @@ package redisstore
 //	   only while in progress
 //	r  the response, in respcodec's encoding; only once completed
 //	e  expiry of the completed record, in microseconds of the server's clock
+//	c  the lease token that completed the record, so that the completion,
+//	   sent again when its reply was lost, is told it succeeded
 //
 // Every instant is read from TIME inside the script, so the server's clock
 // is the only one that judges leases and expiry; the client sends durations
@@ -69,16 +71,22 @@ return {1}
 
 // completeScript stores the response ARGV[2] in the record of KEYS[1], to
 // be kept ARGV[3] µs, if it holds the token ARGV[1]. Reply: 1, or 0 when
-// the token is not there.
+// the token is not there. A record that token completed with that very
+// response answers 1 too: the completion was sent again after its reply
+// was lost. Any other completion of it answers 0.
 const completeScript = scriptPrelude + `
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+local cur = redis.call('HMGET', KEYS[1], 't', 'c')
+if cur[1] ~= ARGV[1] then
+  if cur[2] == ARGV[1] and redis.call('HGET', KEYS[1], 'r') == ARGV[2] then return 1 end
+  return 0
+end
 local ttl = tonumber(ARGV[3])
 if ttl <= 0 then
   redis.call('DEL', KEYS[1])
   return 1
 end
 redis.call('HDEL', KEYS[1], 't', 'l')
-redis.call('HSET', KEYS[1], 'r', ARGV[2], 'e', int(now() + ttl))
+redis.call('HSET', KEYS[1], 'r', ARGV[2], 'e', int(now() + ttl), 'c', ARGV[1])
 pexpire(ttl)
 return 1
 `
