@@ -179,6 +179,25 @@ func TestCommandSentAgain(t *testing.T) {
 		assert.False(t, res.Claimed)
 		assert.Equal(t, "winner", res.Record.Token)
 	})
+	t.Run("Claim, sent again after its lease ended", func(t *testing.T) {
+		// Redis ran the claim, but its reply was lost and the claim was
+		// sent again only once the lease had ended (after a read timeout,
+		// with a short lease). The claim that wins must hold a live lease:
+		// otherwise another request takes the key over while its handler
+		// runs, and both execute.
+		store, direct, p, _ := newResendFixture(t)
+		c := claim("k", "winner", 50*time.Millisecond)
+		p.arm(func() { waitLeaseEnded(t, direct, c) })
+		res, err := store.Claim(t.Context(), c)
+		require.NoError(t, err)
+		require.Equal(t, 1, p.drops())
+		if !res.Claimed {
+			return // a refusal is safe
+		}
+		res, err = direct.TakeOver(t.Context(), claim("k", "taker", time.Minute), c.Token)
+		require.NoError(t, err)
+		assert.False(t, res.Claimed, "took over the lease of a claim that just won")
+	})
 	t.Run("TakeOver", func(t *testing.T) {
 		store, direct, p, _ := newResendFixture(t)
 		old := claim("k", "old", time.Millisecond)
