@@ -45,7 +45,8 @@
 //
 // go-redis sends a command again when a connection fails before its reply
 // arrives. A claim or takeover that Redis ran, sent again, finds its own
-// lease token and still reports the claim; a completion sent again finds
+// lease token and still reports the claim, with the lease started again
+// (the first may have ended while the reply was lost); a completion sent again finds
 // the record completed under its token (the record keeps it) with its
 // response, and still reports success. A release sent again finds nothing of its own and
 // reports [idemserver.ErrLeaseLost] to the middleware's observer, but

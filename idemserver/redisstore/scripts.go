@@ -42,9 +42,12 @@ end
 // Reply: {1} claimed; {2, fingerprint, response, µs until expiry} completed;
 // {3, fingerprint, token, µs until the lease ends (≤ 0: ended)} in progress.
 //
-// A record that already holds the claim's own token answers {1}: the claim
-// was sent again (the client retries a command whose reply was lost) after
-// it had won, and tokens are unique to one claim.
+// A record in progress that already holds the claim's own token answers
+// {1}: the claim was sent again (the client retries a command whose reply
+// was lost) after it had won, and tokens are unique to one claim. Its lease
+// starts again then, as if the claim had first run now: its holder has not
+// started, and the first lease may have ended while the reply was lost, so
+// that another request could take the key over as the holder starts.
 const claimScript = scriptPrelude + `
 local t = now()
 local rec = redis.call('HMGET', KEYS[1], 'f', 't', 'l', 'r', 'e')
@@ -54,6 +57,9 @@ if fp then
     local left = tonumber(exp) - t
     if left > 0 then return {2, fp, resp, left} end
   elseif tok == ARGV[2] then
+    local l = t + tonumber(ARGV[3])
+    redis.call('HSET', KEYS[1], 'l', int(l))
+    pexpire(l - t + tonumber(ARGV[4]))
     return {1}
   else
     local left = tonumber(lease) - t
