@@ -92,8 +92,18 @@
 // not answer (it went down in between) got 503, and leaves its key in
 // progress until the lease ends.
 //
+// Not a Ring: a *redis.Ring moves the keys of a shard it finds down to the
+// other shards, and back when the shard returns, so records vanish and
+// reappear, and a retry of a completed or running key runs the handler
+// again.
+//
 // While Redis is down or slow, Claim returns an error and the middleware
 // answers 503 with Retry-After without running the handler. How long that
 // takes is the client's: go-redis retries a failed command (MaxRetries,
-// DialerRetries, their backoff and timeouts) before giving up.
+// DialerRetries, their backoff and timeouts) before giving up, and unless
+// its ContextTimeoutEnabled option is set it waits for a reply for
+// ReadTimeout whatever the request's context says. Once as many dials as
+// its pool holds connections have failed, it answers the last dial error
+// without dialing until a probe it sends once a second gets through: the
+// 503s last up to a second after Redis is back.
 package redisstore
