@@ -80,8 +80,9 @@
 //     appendfsync no leaves the flush to the kernel: tens of seconds;
 //   - maxmemory-policy noeviction. Every record has a TTL, so the volatile-*
 //     and allkeys-* policies would evict live records in silence; with
-//     noeviction a full Redis refuses writes, claims fail, and the
-//     middleware answers 503;
+//     noeviction a full Redis refuses new claims, and the middleware
+//     answers 503, while the claims it holds are still extended and
+//     completed (a little past maxmemory), and completed keys replay;
 //   - replication is asynchronous: a failover to a replica can lose the last
 //     writes the primary acknowledged.
 //

@@ -18,6 +18,15 @@ package redisstore
 // expired lease stays visible to be taken over or extended, and a completed
 // one at its own expiry.
 //
+// A Redis at its maxmemory under the noeviction policy refuses a script's
+// first write if that write may use more memory (HSET, not DEL, HDEL or
+// PEXPIRE), and lets every later write of the script through. So the order
+// of the writes decides what a full Redis refuses: a new claim writes HSET
+// first, and fails, so that Redis does not grow past its bound; an
+// extension, a completion and a claim sent again, which keep a claim that
+// was already granted, write PEXPIRE or HDEL first, and succeed, so that a
+// live handler does not lose its key because Redis is full.
+//
 // Numbers are passed to redis.call through string.format('%.0f'), since
 // Lua's own conversion of a double loses digits of a 16-digit timestamp.
 const scriptPrelude = `
@@ -58,8 +67,8 @@ if fp then
     if left > 0 then return {2, fp, resp, left} end
   elseif tok == ARGV[2] then
     local l = t + tonumber(ARGV[3])
-    redis.call('HSET', KEYS[1], 'l', int(l))
     pexpire(l - t + tonumber(ARGV[4]))
+    redis.call('HSET', KEYS[1], 'l', int(l))
     return {1}
   else
     local left = tonumber(lease) - t
@@ -69,8 +78,8 @@ if fp then
   end
 end
 local l = t + tonumber(ARGV[3])
-redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'f', ARGV[1], 't', ARGV[2], 'l', int(l))
+redis.call('HDEL', KEYS[1], 'r', 'e', 'c')
 pexpire(l - t + tonumber(ARGV[4]))
 return {1}
 `
@@ -112,7 +121,7 @@ const extendScript = scriptPrelude + `
 if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
 local t = now()
 local l = t + tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'l', int(l))
 pexpire(l - t + tonumber(ARGV[3]))
+redis.call('HSET', KEYS[1], 'l', int(l))
 return 1
 `
