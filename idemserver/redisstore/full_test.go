@@ -28,15 +28,11 @@ func TestFullRedis(t *testing.T) {
 	warm(t, store)
 
 	done := claim("done", "d", time.Minute)
-	res, err := store.Claim(ctx, done)
-	require.NoError(t, err)
-	require.True(t, res.Claimed)
+	mustClaim(t, store, done)
 	resp := &idemserver.Response{Status: http.StatusCreated, Body: []byte("done")}
 	require.NoError(t, store.Complete(ctx, done.Key, done.Token, resp, time.Now().Add(time.Hour)))
 	live := claim("live", "l", time.Minute)
-	res, err = store.Claim(ctx, live)
-	require.NoError(t, err)
-	require.True(t, res.Claimed)
+	mustClaim(t, store, live)
 
 	require.NoError(t, c.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err())
 	info, err := c.Info(ctx, "memory").Result()
@@ -66,7 +62,7 @@ func TestFullRedis(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, n, "no record of the refused claim")
 
-	res, err = store.Claim(ctx, claim("done", "d2", time.Minute))
+	res, err := store.Claim(ctx, claim("done", "d2", time.Minute))
 	require.NoError(t, err)
 	assert.True(t, res.Record.Completed(), "a completed key replays")
 	assert.NoError(t, store.Extend(ctx, live.Key, live.Token, time.Now().Add(time.Minute)), "a live claim is extended")

@@ -162,6 +162,14 @@ func newResendFixture(t *testing.T) (store *redisstore.Store, direct *redisstore
 	return store, direct, p, c
 }
 
+// mustClaim claims c in s, which must grant it.
+func mustClaim(t *testing.T, s idemserver.Store, c idemserver.Claim) {
+	t.Helper()
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+}
+
 func TestCommandSentAgain(t *testing.T) {
 	// Each store call whose reply is lost after Redis ran it is sent again
 	// by go-redis. The call sent again must report what the first did.
@@ -201,12 +209,10 @@ func TestCommandSentAgain(t *testing.T) {
 	t.Run("TakeOver", func(t *testing.T) {
 		store, direct, p, _ := newResendFixture(t)
 		old := claim("k", "old", time.Millisecond)
-		res, err := direct.Claim(t.Context(), old)
-		require.NoError(t, err)
-		require.True(t, res.Claimed)
+		mustClaim(t, direct, old)
 		waitLeaseEnded(t, direct, old)
 		p.arm(nil)
-		res, err = store.TakeOver(t.Context(), claim("k", "taker", time.Minute), "old")
+		res, err := store.TakeOver(t.Context(), claim("k", "taker", time.Minute), "old")
 		require.NoError(t, err)
 		require.Equal(t, 1, p.drops())
 		assert.True(t, res.Claimed, "the takeover that won still wins")
@@ -214,14 +220,12 @@ func TestCommandSentAgain(t *testing.T) {
 	t.Run("Complete", func(t *testing.T) {
 		store, direct, p, _ := newResendFixture(t)
 		c := claim("k", "holder", time.Minute)
-		res, err := direct.Claim(t.Context(), c)
-		require.NoError(t, err)
-		require.True(t, res.Claimed)
+		mustClaim(t, direct, c)
 		p.arm(nil)
-		err = store.Complete(t.Context(), c.Key, c.Token, ok, time.Now().Add(time.Hour))
+		err := store.Complete(t.Context(), c.Key, c.Token, ok, time.Now().Add(time.Hour))
 		require.Equal(t, 1, p.drops())
 		assert.NoError(t, err, "the response was stored, by this very lease")
-		res, err = direct.Claim(t.Context(), claim("k", "later", time.Minute))
+		res, err := direct.Claim(t.Context(), claim("k", "later", time.Minute))
 		require.NoError(t, err)
 		require.True(t, res.Record.Completed())
 		assert.Equal(t, ok.Body, res.Record.Response.Body)
@@ -231,11 +235,9 @@ func TestCommandSentAgain(t *testing.T) {
 		// when it is sent again.
 		store, direct, p, _ := newResendFixture(t)
 		c := claim("k", "holder", time.Millisecond)
-		res, err := direct.Claim(t.Context(), c)
-		require.NoError(t, err)
-		require.True(t, res.Claimed)
+		mustClaim(t, direct, c)
 		waitLeaseEnded(t, direct, c)
-		res, err = direct.TakeOver(t.Context(), claim("k", "taker", time.Minute), c.Token)
+		res, err := direct.TakeOver(t.Context(), claim("k", "taker", time.Minute), c.Token)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
 		p.arm(nil)
@@ -251,22 +253,20 @@ func TestCommandSentAgain(t *testing.T) {
 		// the release sent again: the second must not delete that claim.
 		store, direct, p, _ := newResendFixture(t)
 		c := claim("k", "first", time.Minute)
-		res, err := direct.Claim(t.Context(), c)
-		require.NoError(t, err)
-		require.True(t, res.Claimed)
+		mustClaim(t, direct, c)
 		p.arm(func() {
 			res, err := direct.Claim(t.Context(), claim("k", "second", time.Minute))
 			assert.NoError(t, err)
 			assert.True(t, res.Claimed, "the released key is free")
 		})
-		err = store.Release(t.Context(), c.Key, c.Token)
+		err := store.Release(t.Context(), c.Key, c.Token)
 		require.Equal(t, 1, p.drops())
 		// Redis has no trace of the release that ran, so the one sent
 		// again reports the lease lost; either answer is harmless here.
 		if err != nil {
 			assert.ErrorIs(t, err, idemserver.ErrLeaseLost)
 		}
-		res, err = direct.Claim(t.Context(), claim("k", "third", time.Minute))
+		res, err := direct.Claim(t.Context(), claim("k", "third", time.Minute))
 		require.NoError(t, err)
 		assert.False(t, res.Claimed)
 		assert.Equal(t, "second", res.Record.Token, "the second claim survives")
@@ -274,9 +274,7 @@ func TestCommandSentAgain(t *testing.T) {
 	t.Run("Extend", func(t *testing.T) {
 		store, direct, p, c := newResendFixture(t)
 		cl := claim("k", "holder", time.Minute)
-		res, err := direct.Claim(t.Context(), cl)
-		require.NoError(t, err)
-		require.True(t, res.Claimed)
+		mustClaim(t, direct, cl)
 		p.arm(nil)
 		require.NoError(t, store.Extend(t.Context(), cl.Key, cl.Token, time.Now().Add(time.Hour)))
 		require.Equal(t, 1, p.drops())
