@@ -44,10 +44,14 @@
 // Nothing needs sweeping.
 //
 // go-redis sends a command again when a connection fails before its reply
-// arrives. A claim that Redis ran, sent again, finds its own lease token and
-// still reports the claim. A completion sent again reports
-// [idemserver.ErrLeaseLost] to the middleware's observer, although the
-// response was stored.
+// arrives. A claim or takeover that Redis ran, sent again, finds its own
+// lease token and still reports the claim, with the lease started again
+// (the first may have ended while the reply was lost); a completion sent again finds
+// the record completed under its token (the record keeps it) with its
+// response, and still reports success. A release sent again finds nothing of its own and
+// reports [idemserver.ErrLeaseLost] to the middleware's observer, but
+// changes nothing: the key is free, or claimed by another request, whose
+// record it leaves alone.
 //
 // # What Redis does not give
 //
@@ -76,8 +80,9 @@
 //     appendfsync no leaves the flush to the kernel: tens of seconds;
 //   - maxmemory-policy noeviction. Every record has a TTL, so the volatile-*
 //     and allkeys-* policies would evict live records in silence; with
-//     noeviction a full Redis refuses writes, claims fail, and the
-//     middleware answers 503;
+//     noeviction a full Redis refuses new claims, and the middleware
+//     answers 503, while the claims it holds are still extended and
+//     completed (a little past maxmemory), and completed keys replay;
 //   - replication is asynchronous: a failover to a replica can lose the last
 //     writes the primary acknowledged.
 //
@@ -88,8 +93,18 @@
 // not answer (it went down in between) got 503, and leaves its key in
 // progress until the lease ends.
 //
+// Not a Ring: a *redis.Ring moves the keys of a shard it finds down to the
+// other shards, and back when the shard returns, so records vanish and
+// reappear, and a retry of a completed or running key runs the handler
+// again.
+//
 // While Redis is down or slow, Claim returns an error and the middleware
 // answers 503 with Retry-After without running the handler. How long that
 // takes is the client's: go-redis retries a failed command (MaxRetries,
-// DialerRetries, their backoff and timeouts) before giving up.
+// DialerRetries, their backoff and timeouts) before giving up, and unless
+// its ContextTimeoutEnabled option is set it waits for a reply for
+// ReadTimeout whatever the request's context says. Once as many dials as
+// its pool holds connections have failed, it answers the last dial error
+// without dialing until a probe it sends once a second gets through: the
+// 503s last up to a second after Redis is back.
 package redisstore

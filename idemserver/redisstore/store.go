@@ -60,8 +60,9 @@ func WithClock(now func() time.Time) Option {
 }
 
 // New returns a store that keeps its records in the Redis that client
-// reaches: a single server, a Sentinel-managed one or a Cluster. The store
-// does not close the client.
+// reaches: a single server, a Sentinel-managed one or a Cluster, but not a
+// Ring (see the package documentation). The store does not close the
+// client.
 func New(client redis.UniversalClient, opts ...Option) *Store {
 	s := &Store{
 		client:   client,

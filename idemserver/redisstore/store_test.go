@@ -85,7 +85,7 @@ func TestRecordLayout(t *testing.T) {
 	assert.LessOrEqual(t, pttl, 2*time.Hour)
 	fields, err := f.client.HKeys(ctx, key).Result()
 	require.NoError(t, err)
-	assert.ElementsMatch(t, []string{"f", "r", "e"}, fields)
+	assert.ElementsMatch(t, []string{"f", "r", "e", "c"}, fields)
 	stored, err := f.client.HGet(ctx, key, "r").Bytes()
 	require.NoError(t, err)
 	assert.Equal(t, respcodec.Encode(resp), stored, "the response in respcodec's encoding")
