@@ -416,3 +416,38 @@ func TestExtensionInProgressEndsWithTheClaim(t *testing.T) {
 		assert.Equal(t, context.Canceled, <-extendErr)
 	})
 }
+
+// TestClaimAnsweredAfterItsLease has the store grant a claim whose answer
+// arrives only after the lease it granted has ended, as a store stalled in
+// the middle of a claim may. Another request may take the key over at any
+// moment then, so the handler must not run: the client gets 503 and the
+// key is released for its retry.
+func TestClaimAnsweredAfterItsLease(t *testing.T) {
+	clock := newFakeClock()
+	store := newStubStore()
+	slow := true
+	store.claim = func(ctx context.Context, c Claim) (ClaimResult, error) {
+		res, err := store.MemoryStore.Claim(ctx, c)
+		if slow {
+			clock.Advance(testLease)
+		}
+		return res, err
+	}
+	var events []Event
+	h := &countingHandler{}
+	mw := Middleware(store, WithLease(testLease), WithClock(clock.Now),
+		WithObserver(func(e Event) { events = append(events, e) }))(h)
+
+	w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	decodeProblem(t, w, ProblemLeaseLost, http.StatusServiceUnavailable)
+	assert.NotEmpty(t, w.Header().Get("Retry-After"))
+	assert.Zero(t, h.calls.Load(), "the handler did not start")
+	require.Len(t, events, 1)
+	assert.Equal(t, OutcomeUnavailable, events[0].Outcome)
+	assert.ErrorIs(t, events[0].Err, ErrLeaseLost)
+
+	slow = false
+	w = serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, http.StatusCreated, w.Code, "the key was released for the retry")
+	assert.EqualValues(t, 1, h.calls.Load())
+}

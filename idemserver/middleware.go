@@ -299,7 +299,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			if m.run(w, r, key, c.Token, c.Now, &res, bufs, reruns < MaxReruns) {
+			if m.run(w, r, key, c, &res, bufs, reruns < MaxReruns) {
 				// The store discarded the attempt and asked for another.
 				reruns++
 				c = newClaim()
@@ -378,8 +378,24 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 // store asks for the request to run again (see [ErrRetryRequest]) and
 // mayRerun is set, it sends nothing, leaves w's header as it found it, and
 // reports true.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, token string, claimed time.Time, claim *PackedClaimResult, bufs *buffers, mayRerun bool) (rerun bool) {
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, claim *PackedClaimResult, bufs *buffers, mayRerun bool) (rerun bool) {
 	cfg := m.cfg
+	token, claimed := c.Token, c.Now
+	if !cfg.now().Before(c.LeaseExpires) {
+		// The store's answer came after the lease it granted had ended:
+		// another request may take the key over at any moment, so the
+		// handler must not start.
+		storeCtx := claim.Context
+		if storeCtx == nil {
+			storeCtx = r.Context()
+		}
+		err := m.store.Release(context.WithoutCancel(storeCtx), key, token)
+		writeProblem(w, ProblemLeaseLost, http.StatusServiceUnavailable,
+			"the idempotency store granted the key too late to process the request", cfg.retryAfter)
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable,
+			Err: errors.Join(ErrLeaseLost, err), Evictions: claim.Evictions})
+		return false
+	}
 	// The handler's body, ResponseWriter, context and request, and the
 	// keeper of its lease, in one allocation. It is never reused: the
 	// handler may keep any of them after it returns.
