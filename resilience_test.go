@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -479,4 +480,72 @@ func TestTransportHostStateIsBounded(t *testing.T) {
 	assert.LessOrEqual(t, tr.limiters.hosts.Len(now), 8)
 	assert.LessOrEqual(t, budget.hosts.Len(now), 16)
 	assert.EqualValues(t, 2000, budget.Stats().FirstAttempts)
+}
+
+// Goroutines switch between many hosts, some failing, on one Transport: each
+// host's breaker, budget and rate limiter are its own. A failing host's
+// breaker opens once, its change is reported once and named for it, and no
+// healthy host is ever refused or charged for another's failures.
+func TestPerHostStateUnderConcurrentHostSwitching(t *testing.T) {
+	const hosts, goroutines, rounds = 24, 8, 30
+	bad := func(host string) bool { n, _ := strconv.Atoi(host[1:3]); return n%3 == 0 }
+	var hits [hosts]atomic.Int32
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		n, _ := strconv.Atoi(r.URL.Hostname()[1:3])
+		hits[n].Add(1)
+		if bad(r.URL.Hostname()) {
+			return okResponse(r, 503), nil
+		}
+		return okResponse(r, 200), nil
+	})
+	rec := &hookRecorder{}
+	budget := NewBudget(BudgetRatio(0), BudgetMinRetriesPerSecond(0))
+	tr := NewTransport(base, WithBackoff(noWait), WithBudget(budget), WithAttemptHook(rec.hook),
+		WithRateLimit(rate.Inf, 1), WithHostLimits(hosts, time.Hour),
+		WithBreaker(BreakerSettings{ConsecutiveFailures: 1, OpenTimeout: time.Hour}))
+	var wg sync.WaitGroup
+	for g := range goroutines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range rounds * hosts {
+				host := fmt.Sprintf("h%02d.example", (g+i)%hosts)
+				code, err := roundTrip(tr, get(t, context.Background(), "http://"+host+"/"))
+				if bad(host) {
+					if err != nil {
+						assert.ErrorIs(t, err, ErrCircuitOpen, host)
+					} else {
+						assert.Equal(t, 503, code, host)
+					}
+					continue
+				}
+				if assert.NoError(t, err, host) {
+					assert.Equal(t, 200, code, host)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+
+	var opened []string
+	for _, ch := range rec.changes() {
+		assert.Equal(t, BreakerClosed, ch.From, "%+v", ch)
+		assert.Equal(t, BreakerOpen, ch.To, "%+v", ch)
+		opened = append(opened, ch.Host)
+	}
+	var wantOpened []string
+	for n := range hosts {
+		host := fmt.Sprintf("h%02d.example", n)
+		state := tr.breakers.state("http://" + host + ":80")
+		if bad(host) {
+			wantOpened = append(wantOpened, "http://"+host+":80")
+			assert.Equal(t, BreakerOpen, state, host)
+			assert.LessOrEqual(t, hits[n].Load(), int32(goroutines), "%s: one failure opens it, plus those in flight", host)
+		} else {
+			assert.Equal(t, BreakerClosed, state, host)
+			assert.EqualValues(t, goroutines*rounds, hits[n].Load(), host)
+		}
+	}
+	assert.ElementsMatch(t, wantOpened, opened, "each failing host's opening reported once, under its own name")
+	assert.Zero(t, budget.Stats().Retries, "no budget for retries on any host")
 }

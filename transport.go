@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/idemhttp/idemhttp/internal/sfv"
@@ -230,7 +231,7 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 // pending key, the key of the request a redirect answered, or a new one.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
-	c.key = headerValue(c.req.Header, cfg.keyHeader)
+	c.key = callerKey(c.req.Header, cfg.keyHeader)
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
 		key := c.redirectedKey()
 		var err error
@@ -398,6 +399,27 @@ func (c *call) attempt(n int) outcome {
 func headerValue(h http.Header, key string) string {
 	if vv := h[key]; len(vv) > 0 {
 		return vv[0]
+	}
+	return ""
+}
+
+// callerKey returns the key the caller set in h under the field name key,
+// which must be in canonical form, or "" if there is none. http.Header lets
+// a caller set a field through its map under any spelling, which is sent as
+// written, and a server reads names without regard to case: a key under
+// another spelling is the caller's key all the same, and adding a second
+// one beside it would send two. The canonical spelling costs one lookup;
+// the others are looked for only when it holds no key.
+func callerKey(h http.Header, key string) string {
+	if v := headerValue(h, key); v != "" {
+		return v
+	}
+	for k, vv := range h {
+		// Equal lengths first: EqualFold is dearer, and a name of another
+		// length cannot match.
+		if len(k) == len(key) && len(vv) > 0 && vv[0] != "" && strings.EqualFold(k, key) {
+			return vv[0]
+		}
 	}
 	return ""
 }

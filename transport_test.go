@@ -451,3 +451,43 @@ func TestNewClientUsesTransport(t *testing.T) {
 	require.Len(t, keys, 2)
 	assert.Equal(t, keys[0], keys[1])
 }
+
+// A caller may set the key header through the map under any spelling of
+// its name (http.Header's documented way to send a name as written). The
+// Transport must see that key: a second, generated key beside it would
+// reach the server as two key fields, and a server that reads the first
+// would act under a key the caller never knew.
+func TestCallerKeyKeptWhateverTheSpelling(t *testing.T) {
+	tests := []struct {
+		name     string
+		opts     []Option
+		field    string // the map key the caller sets
+		wantName string // the name the server reads
+	}{
+		{name: "lower case", field: "idempotency-key", wantName: "Idempotency-Key"},
+		{name: "upper case", field: "IDEMPOTENCY-KEY", wantName: "Idempotency-Key"},
+		{name: "custom name, other casing", opts: []Option{WithKeyHeader("x-request-KEY")},
+			field: "X-REQUEST-key", wantName: "X-Request-Key"},
+		{name: "structured keys", opts: []Option{WithStructuredKey()},
+			field: "idempotency-key", wantName: "Idempotency-Key"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, status(503), status(200))
+			var hooked []string
+			opts := append([]Option{WithBackoff(noWait),
+				WithAttemptHook(func(a Attempt) { hooked = append(hooked, a.Key) })}, tt.opts...)
+			req := post(t, WithOperation(context.Background(), "op"), srv.URL, "charge")
+			req.Header[tt.field] = []string{"mine"}
+
+			do(t, NewTransport(newBaseTransport(t), opts...), req)
+
+			got := srv.received()
+			require.Len(t, got, 2)
+			for i, r := range got {
+				assert.Equal(t, []string{"mine"}, r.Header.Values(tt.wantName), "attempt %d", i+1)
+			}
+			assert.Equal(t, []string{"mine", "mine"}, hooked)
+		})
+	}
+}
