@@ -10,25 +10,18 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestLedgerSkipsReleasedRuns checks the runs after which the middleware
-// releases the key although the handler answered below 500: a 499 (the
-// client went away), and a return without a status once the request's
-// context ended. The retry that runs the handler again is what the
-// middleware promises, not a duplicate.
-func TestLedgerSkipsReleasedRuns(t *testing.T) {
+// TestLedgerSkips499 checks that a run answered 499, after which the
+// middleware releases the key as it does after 408, 425 and 429, is not an
+// execution: the retry that runs the handler again is what the middleware
+// promises, not a duplicate.
+func TestLedgerSkips499(t *testing.T) {
 	var calls atomic.Int32
-	entered, left := make(chan struct{}), make(chan struct{})
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch calls.Add(1) {
-		case 1:
+		if calls.Add(1) == 1 {
 			w.WriteHeader(499)
-		case 2:
-			defer close(left)
-			close(entered)
-			<-r.Context().Done() // gives up without acting
-		default:
-			w.WriteHeader(http.StatusCreated)
+			return
 		}
+		w.WriteHeader(http.StatusCreated)
 	})
 	srv := NewServer(h)
 	defer srv.Close()
@@ -36,6 +29,33 @@ func TestLedgerSkipsReleasedRuns(t *testing.T) {
 	defer client.CloseIdleConnections()
 
 	assert.Equal(t, outcome{status: 499}, post(t.Context(), client, srv.URL, "k"))
+	assert.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "k"))
+	assert.Equal(t, outcome{status: http.StatusCreated, replayed: true}, post(t.Context(), client, srv.URL, "k"))
+	assert.Equal(t, map[string]int{"k": 1}, srv.Executions())
+	assert.True(t, srv.AssertExactlyOnce(t, 1))
+}
+
+// TestLedgerCountsSilentRunAfterClientLeft checks that a run that returns
+// without a status once its client has gone is counted: the middleware
+// takes it not to have acted and runs the retry, so a handler that did act
+// and relied on the implicit 200 executes twice, and the ledger must say so.
+func TestLedgerCountsSilentRunAfterClientLeft(t *testing.T) {
+	var calls atomic.Int32
+	entered, left := make(chan struct{}), make(chan struct{})
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1) == 1 {
+			defer close(left)
+			close(entered)
+			<-r.Context().Done() // acts, and leaves its status to the implicit 200
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	srv := NewServer(h)
+	defer srv.Close()
+	client := rawClient()
+	defer client.CloseIdleConnections()
+
 	ctx, giveUp := context.WithCancel(t.Context())
 	go func() { <-entered; giveUp() }()
 	assert.True(t, post(ctx, client, srv.URL, "k").err)
@@ -45,9 +65,5 @@ func TestLedgerSkipsReleasedRuns(t *testing.T) {
 		o = post(t.Context(), client, srv.URL, "k") // the release may still be on its way
 	}
 	require.Equal(t, outcome{status: http.StatusCreated}, o)
-	assert.Equal(t, outcome{status: http.StatusCreated, replayed: true}, post(t.Context(), client, srv.URL, "k"))
-
-	assert.Equal(t, map[string]int{"k": 1}, srv.Executions())
-	assert.Empty(t, srv.Duplicates())
-	assert.True(t, srv.AssertExactlyOnce(t, 1))
+	assert.Equal(t, []string{"k"}, srv.Duplicates())
 }
