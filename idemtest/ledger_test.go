@@ -10,20 +10,27 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// firstThenCreated serves its first request with first, and answers 201 to
+// the others.
+func firstThenCreated(first http.HandlerFunc) http.Handler {
+	var calls atomic.Int32
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1) == 1 {
+			first(w, r)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+}
+
 // TestLedgerSkips499 checks that a run answered 499, after which the
 // middleware releases the key as it does after 408, 425 and 429, is not an
 // execution: the retry that runs the handler again is what the middleware
 // promises, not a duplicate.
 func TestLedgerSkips499(t *testing.T) {
-	var calls atomic.Int32
-	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if calls.Add(1) == 1 {
-			w.WriteHeader(499)
-			return
-		}
-		w.WriteHeader(http.StatusCreated)
-	})
-	srv := NewServer(h)
+	srv := NewServer(firstThenCreated(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(499)
+	}))
 	defer srv.Close()
 	client := rawClient()
 	defer client.CloseIdleConnections()
@@ -40,18 +47,12 @@ func TestLedgerSkips499(t *testing.T) {
 // takes it not to have acted and runs the retry, so a handler that did act
 // and relied on the implicit 200 executes twice, and the ledger must say so.
 func TestLedgerCountsSilentRunAfterClientLeft(t *testing.T) {
-	var calls atomic.Int32
 	entered, left := make(chan struct{}), make(chan struct{})
-	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if calls.Add(1) == 1 {
-			defer close(left)
-			close(entered)
-			<-r.Context().Done() // acts, and leaves its status to the implicit 200
-			return
-		}
-		w.WriteHeader(http.StatusCreated)
-	})
-	srv := NewServer(h)
+	srv := NewServer(firstThenCreated(func(w http.ResponseWriter, r *http.Request) {
+		defer close(left)
+		close(entered)
+		<-r.Context().Done() // acts, and leaves its status to the implicit 200
+	}))
 	defer srv.Close()
 	client := rawClient()
 	defer client.CloseIdleConnections()
