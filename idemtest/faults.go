@@ -24,7 +24,11 @@ var ErrInvalidFaults = errors.New("idemtest: invalid faults")
 type Faults struct {
 	// ResetBefore is the probability that the connection is reset before
 	// the request goes further: the handler does not run and the client
-	// sees a connection reset.
+	// sees the connection break before the response's header has ended (a
+	// status line, then a TCP reset). The response has begun, so that
+	// net/http's Transport does not send the request again by itself, as it
+	// does for a keyed request whose reused connection fails before the
+	// first byte of a response: every reset reaches the code under test.
 	ResetBefore float64
 	// LoseResponse is the probability that the request goes through, the
 	// handler runs (behind the middleware) and its response is dropped:

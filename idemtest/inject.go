@@ -172,13 +172,24 @@ func requestKey(r *http.Request, header string) (string, bool) {
 	return key, true
 }
 
-// reset ends the connection under w at once, without an answer: a TCP reset
-// where the connection can be hijacked, an aborted response otherwise.
+// resetPrefix is what the connection carries of a response before a reset:
+// a status line, and no end of the header. net/http's Transport sends a
+// request with an idempotency key again, by itself, when a reused connection
+// fails before the first byte of the response, so a reset without one would
+// never reach the code under test; once a response has begun, it does not,
+// and the client sees the connection break mid-response (io.ErrUnexpectedEOF
+// or a connection reset).
+const resetPrefix = "HTTP/1.1 503 Service Unavailable\r\n"
+
+// reset ends the connection under w at once, without an answer: a status
+// line and a TCP reset where the connection can be hijacked, an aborted
+// response otherwise.
 func reset(w http.ResponseWriter) {
 	conn, _, err := http.NewResponseController(w).Hijack()
 	if err != nil {
 		panic(http.ErrAbortHandler) // HTTP/2: the server resets the stream
 	}
+	_, _ = io.WriteString(conn, resetPrefix)
 	if tc, ok := conn.(*net.TCPConn); ok {
 		_ = tc.SetLinger(0) // close with RST, not FIN
 	}

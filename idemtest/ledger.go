@@ -29,6 +29,10 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	sw := &statusWriter{ResponseWriter: w}
 	l.next.ServeHTTP(sw, r) // a panic is not an execution, and goes on
+	// A run that returns without a status once its context has ended is
+	// counted, though the middleware releases its key: the ledger cannot
+	// tell whether it acted, and one that did runs again on the retry,
+	// which the ledger must show.
 	if kept(sw.status) {
 		l.mu.Lock()
 		l.runs[key]++
@@ -36,12 +40,16 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// statusClientClosedRequest says that the client went away; the middleware
+// releases the key after it.
+const statusClientClosedRequest = 499
+
 // kept reports whether the middleware keeps a response with status as the
 // key's outcome; it releases the key after the others, so that a retry
 // runs the handler again.
 func kept(status int) bool {
 	switch status {
-	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests, statusClientClosedRequest:
 		return false
 	}
 	return status < http.StatusInternalServerError

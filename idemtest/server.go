@@ -98,6 +98,12 @@ func (s *Server) Stats() Stats { return s.injector.snapshot() }
 // than operations (an operation sent with a second key) nor fewer (an
 // operation never executed). On failure it reports, through t.Errorf, the
 // offending keys and the seed, and returns false.
+//
+// The ledger knows keys, not operations: an operation sent with two keys
+// and another never executed leave as many keys as operations, and pass.
+// A test that can fail an operation (one whose errors it does not stop on)
+// should also check that every operation succeeded, or compare
+// [Server.Executions] with the keys its client sent.
 func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
 	t.Helper()
 	runs := s.Executions()

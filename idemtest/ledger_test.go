@@ -1,0 +1,70 @@
+package idemtest
+
+import (
+	"context"
+	"net/http"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// firstThenCreated serves its first request with first, and answers 201 to
+// the others.
+func firstThenCreated(first http.HandlerFunc) http.Handler {
+	var calls atomic.Int32
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1) == 1 {
+			first(w, r)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+}
+
+// TestLedgerSkips499 checks that a run answered 499, after which the
+// middleware releases the key as it does after 408, 425 and 429, is not an
+// execution: the retry that runs the handler again is what the middleware
+// promises, not a duplicate.
+func TestLedgerSkips499(t *testing.T) {
+	srv := NewServer(firstThenCreated(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(499)
+	}))
+	defer srv.Close()
+	client := rawClient()
+	defer client.CloseIdleConnections()
+
+	assert.Equal(t, outcome{status: 499}, post(t.Context(), client, srv.URL, "k"))
+	assert.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "k"))
+	assert.Equal(t, outcome{status: http.StatusCreated, replayed: true}, post(t.Context(), client, srv.URL, "k"))
+	assert.Equal(t, map[string]int{"k": 1}, srv.Executions())
+	assert.True(t, srv.AssertExactlyOnce(t, 1))
+}
+
+// TestLedgerCountsSilentRunAfterClientLeft checks that a run that returns
+// without a status once its client has gone is counted: the middleware
+// takes it not to have acted and runs the retry, so a handler that did act
+// and relied on the implicit 200 executes twice, and the ledger must say so.
+func TestLedgerCountsSilentRunAfterClientLeft(t *testing.T) {
+	entered, left := make(chan struct{}), make(chan struct{})
+	srv := NewServer(firstThenCreated(func(w http.ResponseWriter, r *http.Request) {
+		defer close(left)
+		close(entered)
+		<-r.Context().Done() // acts, and leaves its status to the implicit 200
+	}))
+	defer srv.Close()
+	client := rawClient()
+	defer client.CloseIdleConnections()
+
+	ctx, giveUp := context.WithCancel(t.Context())
+	go func() { <-entered; giveUp() }()
+	assert.True(t, post(ctx, client, srv.URL, "k").err)
+	<-left
+	var o outcome
+	for o = post(t.Context(), client, srv.URL, "k"); o.status == http.StatusConflict; {
+		o = post(t.Context(), client, srv.URL, "k") // the release may still be on its way
+	}
+	require.Equal(t, outcome{status: http.StatusCreated}, o)
+	assert.Equal(t, []string{"k"}, srv.Duplicates())
+}
