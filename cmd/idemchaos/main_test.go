@@ -89,7 +89,7 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"-store", "redis", "-redis", ""}, "-store redis needs a server: pass -redis host:port or set IDEMHTTP_TEST_REDIS_ADDR"},
 		{[]string{"-store", "postgres-tx", "-dsn", "postgres://x", "-" + unsafeFlag}, "-unsafe-no-middleware: the postgres-tx handler writes in the claim's transaction"},
 		{[]string{"-store", "postgres", "-dsn", "postgres://127.0.0.1:1/x", "-ops", "1"}, "PostgreSQL at 127.0.0.1:1"},
-		{[]string{"-store", "redis", "-redis", "127.0.0.1:1", "-ops", "1"}, "Redis at 127.0.0.1:1"},
+		{[]string{"-store", "redis", "-redis", "127.0.0.1:1", "-ops", "1"}, "no answer from Redis at 127.0.0.1:1"},
 		{[]string{"-store", "sqlite"}, `unknown -store "sqlite": want memory, postgres, postgres-tx or redis`},
 		{[]string{"-ops", "0"}, "-ops 0: need at least one operation"},
 		{[]string{"-workers", "0"}, "-workers 0: need at least one"},

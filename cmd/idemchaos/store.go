@@ -130,15 +130,18 @@ func (s storeSpec) prepare(ctx context.Context) (remove func() error, err error)
 		}
 		return remove, nil
 	case "redis":
-		client := s.redis()
-		defer client.Close()
-		if err := client.Ping(ctx).Err(); err != nil {
-			return nil, fmt.Errorf("Redis at %s: %w", s.redisAddr, err)
+		client, err := s.redis(ctx)
+		if err != nil {
+			return nil, err
 		}
+		defer client.Close()
 		return func() error {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			client := s.redis()
+			client, err := s.redis(ctx)
+			if err != nil {
+				return err
+			}
 			defer client.Close()
 			return deletePrefixed(ctx, client, s.redisPrefix())
 		}, nil
@@ -166,10 +169,9 @@ func (s storeSpec) openStore(ctx context.Context) (idemserver.Store, func() erro
 		}
 		return st, db.Close, nil
 	case "redis":
-		client := s.redis()
-		if err := client.Ping(ctx).Err(); err != nil {
-			client.Close()
-			return nil, nil, fmt.Errorf("Redis at %s: %w", s.redisAddr, err)
+		client, err := s.redis(ctx)
+		if err != nil {
+			return nil, nil, err
 		}
 		return redisstore.New(client, redisstore.WithPrefix(s.redisPrefix())), client.Close, nil
 	}
@@ -213,21 +215,33 @@ func (s storeSpec) payments(ctx context.Context) ([]entry, error) {
 	return entries, rows.Err()
 }
 
-func (s storeSpec) redis() *redis.Client {
-	return redis.NewClient(&redis.Options{Addr: s.redisAddr, DialTimeout: 5 * time.Second})
+// redis connects to the Redis server and checks that it answers.
+func (s storeSpec) redis(ctx context.Context) (*redis.Client, error) {
+	client := redis.NewClient(&redis.Options{Addr: s.redisAddr, DialTimeout: 5 * time.Second})
+	if err := client.Ping(ctx).Err(); err != nil {
+		client.Close()
+		return nil, fmt.Errorf("no answer from Redis at %s: %w", s.redisAddr, err)
+	}
+	return client, nil
 }
 
 func (s storeSpec) redisPrefix() string { return s.space + ":" }
 
-// deletePrefixed deletes the Redis keys that start with prefix, which holds
-// no glob characters.
-func deletePrefixed(ctx context.Context, client *redis.Client, prefix string) error {
+// prefixed returns the Redis keys that start with prefix, which holds no
+// glob characters.
+func prefixed(ctx context.Context, client *redis.Client, prefix string) ([]string, error) {
 	iter := client.Scan(ctx, 0, prefix+"*", 1000).Iterator()
 	var keys []string
 	for iter.Next(ctx) {
 		keys = append(keys, iter.Val())
 	}
-	if err := iter.Err(); err != nil {
+	return keys, iter.Err()
+}
+
+// deletePrefixed deletes the Redis keys that start with prefix.
+func deletePrefixed(ctx context.Context, client *redis.Client, prefix string) error {
+	keys, err := prefixed(ctx, client, prefix)
+	if err != nil {
 		return err
 	}
 	for len(keys) > 0 {

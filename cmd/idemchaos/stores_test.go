@@ -98,13 +98,10 @@ func assertSpaceRemoved(t *testing.T, store, report string) {
 		assert.Zero(t, n, "schema %s still exists", spec.space)
 		return
 	}
-	client := spec.redis()
+	client, err := spec.redis(ctx)
+	require.NoError(t, err)
 	defer client.Close()
-	var keys []string
-	iter := client.Scan(ctx, 0, spec.redisPrefix()+"*", 1000).Iterator()
-	for iter.Next(ctx) {
-		keys = append(keys, iter.Val())
-	}
-	require.NoError(t, iter.Err())
+	keys, err := prefixed(ctx, client, spec.redisPrefix())
+	require.NoError(t, err)
 	assert.Empty(t, keys, "keys with prefix %s remain", spec.redisPrefix())
 }
