@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -34,6 +35,11 @@ const (
 	// kindRan: with postgres-tx, the handler inserted the payment in its
 	// transaction; whether it committed, the payments table says.
 	kindRan = "ran"
+	// kindUnsettled: in lease mode, the handler ran and its claim was
+	// neither completed nor released: the store failed to keep the outcome,
+	// or the lease was lost. The claim is taken over once its lease ends,
+	// and the handler runs again, in the same server process.
+	kindUnsettled = "unsettled"
 )
 
 // noKey stands for the derived key of a request the middleware did not
@@ -53,7 +59,7 @@ type entry struct {
 
 // parseEntry parses a ledger file's line.
 func parseEntry(fields []string) (entry, error) {
-	if len(fields) == 4 && (fields[0] == kindCharged || fields[0] == kindRepeated || fields[0] == kindRan) {
+	if len(fields) == 4 && slices.Contains([]string{kindCharged, kindRepeated, kindRan, kindUnsettled}, fields[0]) {
 		if n, err := strconv.Atoi(fields[3]); err == nil && n >= 0 {
 			return entry{kind: fields[0], op: fields[1], key: fields[2], server: n}, nil
 		}
@@ -110,6 +116,14 @@ func (p *provider) charge(op, key string) error {
 	}
 	p.keys[key] = true
 	return nil
+}
+
+// unsettled records that the claim of op, whose charge key is key, was
+// left in progress by a server that goes on running.
+func (p *provider) unsettled(op, key string) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.log.append(true, kindUnsettled, op, key, p.server)
 }
 
 func (p *provider) Close() error { return p.log.Close() }

@@ -25,14 +25,16 @@
 // makes one charge per key: a server killed between the charge and the
 // stored response leaves its claim in progress, a retry takes it over once
 // its lease has ended and runs the handler again, and the provider replays
-// the charge. Those runs are counted, and allowed. With postgres-tx the
-// handler inserts the payment into a payments table in the claim's
-// transaction, and the table is the ledger.
+// the charge. Those runs are counted, and allowed, as are runs again by
+// the same server after the middleware reported a claim left in progress
+// (the store failed to keep the outcome, or the lease was lost). With
+// postgres-tx the handler inserts the payment into a payments table in the
+// claim's transaction, and the table is the ledger.
 //
 // At the end every payment must have been driven to completion, so the
 // ledger must hold each operation exactly once: an operation paid more than
-// once, or whose handler one server process ran twice, is a duplicate; one
-// paid never is lost. The report has lines that read "duplicates: N" and
+// once, or whose handler one server process ran twice without cause, is a
+// duplicate; one paid never is lost. The report has lines that read "duplicates: N" and
 // "lost: N", and counts the attempts (requests that reached the proxy), the
 // retries (attempts beyond one per operation), the replays served
 // (responses marked Idempotent-Replayed that passed the proxy, including

@@ -3,7 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -13,6 +16,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // TestMain lets the test binary play the scenario's children: runScenario
@@ -127,15 +132,18 @@ func TestReportReadsLedger(t *testing.T) {
 			"charged op-9 d9 0\n"+
 			"charged op-6 d6 0\nrepeated op-6 d6 1\nrepeated op-6 d6 3\n"+ // again after two kills
 			"charged op-7 d7 2\nrepeated op-7 d7 2\n"+ // again by the same server
+			"charged op-8 d8 1\nunsettled op-8 d8 1\nrepeated op-8 d8 1\n"+ // again after its claim was left in progress
 			"charged op-3 d4 0"), 0o644))
 	require.NoError(t, os.WriteFile(f.clientLog, []byte(
 		"done op-1 201 false\ndone op-2 201 true\ndone op-3 201 false\ndone op-4 409 false\n"+
-			"done op-6 201 false\ndone op-7 201 false\ndone op-5 201"), 0o644))
-	r := &report{scenario: &scenario{ops: 7, spec: storeSpec{name: "postgres"}}}
+			"done op-6 201 false\ndone op-7 201 false\ndone op-8 201 false\ndone op-5 201"), 0o644))
+	r := &report{scenario: &scenario{ops: 8, spec: storeSpec{name: "postgres"}}}
 	require.NoError(t, r.read(f, nil))
-	assert.Equal(t, map[string]int{"op-1": 1, "op-2": 2, "op-3": 0, "op-4": 0, "op-5": 0, "op-6": 1, "op-7": 1}, r.executions)
+	assert.Equal(t, map[string]int{"op-1": 1, "op-2": 2, "op-3": 0, "op-4": 0, "op-5": 0, "op-6": 1, "op-7": 1, "op-8": 1},
+		r.executions)
 	assert.Equal(t, []string{"op-2 (2 executions)", "op-7 (run 1 more times by one server process)"}, r.duplicated)
 	assert.Equal(t, 2, r.reexecuted)                          // op-6's, each by a later server
+	assert.Equal(t, 1, r.unsettledRuns)                       // op-8's
 	assert.Equal(t, []string{"op-3", "op-4", "op-5"}, r.lost) // op-3's line was torn
 	assert.Equal(t, []string{"op-5"}, r.unfinished)           // so was op-5's
 	assert.Equal(t, []string{"op-4 (409)"}, r.refused)
@@ -148,6 +156,7 @@ func TestReportReadsLedger(t *testing.T) {
 	assert.Contains(t, out.String(), "\nduplicates: 2\n")
 	assert.Contains(t, out.String(), "\nlost: 3\n")
 	assert.Contains(t, out.String(), "\nre-executions after server kills: 2\n")
+	assert.Contains(t, out.String(), "\nre-executions after claims left in progress: 1\n")
 	assert.Contains(t, out.String(), "\nduplicated operations: op-2 (2 executions), op-7 (run 1 more times by one server process)\n")
 	assert.Contains(t, out.String(), "\nlost operations (never executed): op-3, op-4, op-5\n")
 }
@@ -183,4 +192,45 @@ func TestReportReadsPaymentsTable(t *testing.T) {
 	require.NoError(t, os.WriteFile(f.ledger, []byte("charged op-1 d1 0\n"), 0o644))
 	r = &report{scenario: &scenario{ops: 3, spec: storeSpec{name: "postgres-tx"}}}
 	assert.ErrorContains(t, r.read(f, payments), `ledger: line "charged op-1 d1 0" does not belong to store postgres-tx`)
+}
+
+// TestUnsettledObserver checks which of the middleware's events the server
+// records as claims left in progress: those after which a retry runs the
+// handler again in the same server process.
+func TestUnsettledObserver(t *testing.T) {
+	key := idemserver.Key{Key: "k1"}
+	tests := []struct {
+		name string
+		ev   idemserver.Event
+		want bool
+	}{
+		{"executed and stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201}, false},
+		{"executed, not stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201,
+			Err: errors.New("store down")}, true},
+		{"lease lost at completion", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
+			Err: fmt.Errorf("complete: %w", idemserver.ErrLeaseLost)}, true},
+		{"released", idemserver.Event{Outcome: idemserver.OutcomeReleased, Status: 500}, false},
+		{"store unavailable", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
+			Err: errors.New("store down")}, false},
+		{"replayed", idemserver.Event{Outcome: idemserver.OutcomeReplayed, Status: 201}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "ledger")
+			p, err := openProvider(path, 3)
+			require.NoError(t, err)
+			r := httptest.NewRequest(http.MethodPost, "/pay/op-1", nil)
+			r.SetPathValue("op", "op-1")
+			tt.ev.Request, tt.ev.Key = r, key
+			unsettled(p)(tt.ev)
+			require.NoError(t, p.Close())
+			lines, err := readLines(path)
+			require.NoError(t, err)
+			if !tt.want {
+				assert.Empty(t, lines)
+				return
+			}
+			assert.Equal(t, [][]string{{kindUnsettled, "op-1", key.Derive("charge"), "3"}}, lines)
+		})
+	}
 }

@@ -31,9 +31,12 @@ type report struct {
 	// reexecuted counts the handler's runs for a payment already charged,
 	// each by a later server process than the run before it: after a
 	// server kill between the charge and the stored response, the lease
-	// ended and a retry took the claim over. The provider deduplicated
-	// them by the derived key. Lease-mode stores only.
-	reexecuted int
+	// ended and a retry took the claim over. unsettledRuns counts those by
+	// the same server process after the middleware reported the claim
+	// left in progress (the store failed to keep the outcome, or the lease
+	// was lost). The provider deduplicated both by the derived key.
+	// Lease-mode stores only.
+	reexecuted, unsettledRuns int
 	// rolledBack counts, with postgres-tx, the handler's runs whose
 	// transaction never committed (the server was killed inside it).
 	rolledBack      int
@@ -71,6 +74,7 @@ func (r *report) read(f files, payments []entry) error {
 	}
 	r.rolledBack = max(runs-len(payments), 0)
 	lastServer := make(map[string]int) // of each operation's last run
+	unsettled := make(map[string]bool) // since the operation's last run
 	againByOne := make(map[string]int) // runs again by the same process
 	for _, e := range effects {
 		if _, ok := r.executions[e.op]; !ok {
@@ -78,16 +82,23 @@ func (r *report) read(f files, payments []entry) error {
 			continue
 		}
 		switch e.kind {
+		case kindUnsettled:
+			unsettled[e.op] = true
+			continue
 		case kindCharged:
 			r.executions[e.op]++
 		case kindRepeated:
-			if last, ok := lastServer[e.op]; ok && e.server > last {
+			switch last, ok := lastServer[e.op]; {
+			case ok && e.server > last:
 				r.reexecuted++
-			} else {
+			case unsettled[e.op]:
+				r.unsettledRuns++
+			default:
 				againByOne[e.op]++
 			}
 		}
 		lastServer[e.op] = e.server
+		unsettled[e.op] = false
 	}
 	log, err := readLines(f.clientLog)
 	if err != nil {
@@ -158,6 +169,9 @@ func (r *report) print(w io.Writer) {
 		fmt.Fprintf(w, "handler runs rolled back: %d\n", r.rolledBack)
 	} else {
 		fmt.Fprintf(w, "re-executions after server kills: %d\n", r.reexecuted)
+		if r.unsettledRuns > 0 {
+			fmt.Fprintf(w, "re-executions after claims left in progress: %d\n", r.unsettledRuns)
+		}
 	}
 	if len(r.unfinished) > 0 {
 		fmt.Fprintf(w, "unfinished: %d\n", len(r.unfinished))
@@ -181,9 +195,15 @@ func (r *report) print(w io.Writer) {
 		}
 	}
 	if r.reexecuted > 0 {
-		fmt.Fprintf(w, "note: %d times a server was killed between a charge and its stored response, and the "+
-			"handler ran again once the claim's lease had ended; the provider found the charge by the "+
-			"forwarded key (idemserver.KeyFrom, Key.Derive) and did not charge again\n", r.reexecuted)
+		fmt.Fprintf(w, "note: %d handler runs came for payments already charged, by a server started after "+
+			"the one that charged was killed before storing the response and the claim's lease ended; "+
+			"the provider found each charge under the forwarded key (idemserver.KeyFrom, Key.Derive) "+
+			"and did not charge again\n", r.reexecuted)
+	}
+	if r.unsettledRuns > 0 {
+		fmt.Fprintf(w, "note: %d handler runs came for payments already charged, after the store failed to "+
+			"keep the outcome or the claim's lease was lost; lease mode allows them, and the provider "+
+			"did not charge again\n", r.unsettledRuns)
 	}
 	if r.failed() {
 		fmt.Fprintln(w, "FAIL")

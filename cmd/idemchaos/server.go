@@ -54,6 +54,7 @@ func serve(ctx context.Context, args []string) error {
 	defer closeStore()
 
 	var handler http.Handler
+	opts := []idemserver.Option{idemserver.RequireKey(), idemserver.WithLease(serverLease)}
 	if spec.transactional() {
 		runs, err := openLineLog(*ledgerPath)
 		if err != nil {
@@ -75,9 +76,10 @@ func serve(ctx context.Context, args []string) error {
 		}
 		defer p.Close()
 		handler = chargePayment(p, !*unsafeEffect)
+		opts = append(opts, idemserver.WithObserver(unsettled(p)))
 	}
 	if !*unsafe {
-		handler = idemserver.Middleware(store, idemserver.RequireKey(), idemserver.WithLease(serverLease))(handler)
+		handler = idemserver.Middleware(store, opts...)(handler)
 	}
 	mux := http.NewServeMux()
 	mux.Handle("POST /pay/{op}", handler)
@@ -122,6 +124,21 @@ func chargePayment(p *provider, forward bool) http.Handler {
 		}
 		receipt(w, op)
 	})
+}
+
+// unsettled returns the observer that records in the ledger each claim
+// the middleware left in progress while its server went on: one whose
+// outcome the store failed to keep, or whose lease was lost. A retry takes
+// it over once its lease has ended and runs the handler again, in the same
+// server process, as lease mode allows.
+func unsettled(p *provider) func(idemserver.Event) {
+	return func(ev idemserver.Event) {
+		if (ev.Outcome == idemserver.OutcomeExecuted && ev.Err != nil) || errors.Is(ev.Err, idemserver.ErrLeaseLost) {
+			if err := p.unsettled(ev.Request.PathValue("op"), ev.Key.Derive("charge")); err != nil {
+				fmt.Fprintln(os.Stderr, "idemchaos server: ledger:", err)
+			}
+		}
+	}
 }
 
 // insertPayment is the handler of the postgres-tx store: it inserts the
