@@ -1,31 +1,53 @@
 // Command idemchaos proves the idemhttp client and the idemserver middleware
 // exactly-once end to end, with real processes and real sockets: it runs a
-// payment scenario through faults and client kills and checks that every
-// payment was executed exactly once.
+// payment scenario through faults, client kills and server kills, and
+// checks that every payment took effect exactly once.
 //
 // It starts, as child processes of its own binary, a payment server behind
-// idemserver.Middleware, whose handler appends every payment it executes to
-// a ledger file (fsynced, outside the server process), and a client worker
-// that makes the payments through idemhttp with a FileKeyStore, each named
-// with idemhttp.WithOperation. Between them runs an idemtest.Proxy that
-// resets connections, drops responses after the server acted, answers 503
-// and 429, delays and stalls requests. During the run the client is killed
-// with SIGKILL at random moments and started again; each new worker first
-// drives every operation its key store has pending to a final outcome, then
-// makes the payments not yet made. The worker records each payment it saw
-// succeed (fsynced) before it lets the key go.
+// idemserver.Middleware and a client worker that makes the payments through
+// idemhttp with a FileKeyStore, each named with idemhttp.WithOperation.
+// Between them runs an idemtest.Proxy that resets connections, drops
+// responses after the server acted, answers 503 and 429, delays and stalls
+// requests. During the run the client is killed with SIGKILL at random
+// moments and started again; each new worker first drives every operation
+// its key store has pending to a final outcome, then makes the payments not
+// yet made. The worker records each payment it saw succeed (fsynced) before
+// it lets the key go. With a store that outlives the server process, the
+// server is killed with SIGKILL too, each time just after a handler made
+// its payment and before it answered, and started again on the same
+// listening socket, which the parent holds, so that the proxy keeps
+// forwarding to it.
+//
+// The server's handler records each payment in a ledger outside the server
+// process. With the memory, postgres and redis stores (lease mode) it
+// charges a payment provider, played by a ledger file, under a key derived
+// from the claimed one (idemserver.KeyFrom, Key.Derive), and the provider
+// makes one charge per key: a server killed between the charge and the
+// stored response leaves its claim in progress, a retry takes it over once
+// its lease has ended and runs the handler again, and the provider replays
+// the charge. Those runs are counted, and allowed, as are runs again by
+// the same server after the middleware reported a claim left in progress
+// (the store failed to keep the outcome, or the lease was lost). With
+// postgres-tx the handler inserts the payment into a payments table in the
+// claim's transaction, and the table is the ledger.
 //
 // At the end every payment must have been driven to completion, so the
-// ledger must hold each operation exactly once: an operation executed more
-// than once is a duplicate, one executed never is lost. The report has lines
-// that read "duplicates: N" and "lost: N", and counts the attempts (requests
-// that reached the proxy), the retries (attempts beyond one per operation),
-// the replays served (responses marked Idempotent-Replayed that passed the
-// proxy, including those it then dropped), the faults injected, the client
-// kills, the server restarts, the seed and the wall time. idemchaos exits
-// with status 1, naming the operations, if there are duplicates or lost
-// operations, or operations the client never saw succeed; with status 2 if
-// the scenario could not be run.
+// ledger must hold each operation exactly once: an operation paid more than
+// once, or whose handler one server process ran twice without cause, is a
+// duplicate; one paid never is lost. The report has lines that read "duplicates: N" and
+// "lost: N", and counts the attempts (requests that reached the proxy), the
+// retries (attempts beyond one per operation), the replays served
+// (responses marked Idempotent-Replayed that passed the proxy, including
+// those it then dropped), the faults injected, the re-executions after
+// server kills (lease mode) or the handler runs rolled back (postgres-tx),
+// the client kills, the server restarts, the seed and the wall time.
+// idemchaos exits with status 1, naming the operations, if there are
+// duplicates or lost operations, or operations the client never saw
+// succeed; with status 2 if the scenario could not be run.
+//
+// Each run with PostgreSQL works in a schema of its own, and with Redis
+// under a key prefix of its own; both are named in the report and removed
+// at the end.
 //
 // Usage:
 //
@@ -41,7 +63,11 @@
 //	                    persistent stores only: the memory store would lose
 //	                    every key)
 //	-faults P           share of requests the proxy faults (default 0.2)
-//	-store NAME         the server's store: memory, postgres, postgres-tx, redis
+//	-store NAME         the server's store: memory, postgres (lease mode),
+//	                    postgres-tx (transactional mode), redis
+//	-dsn DSN            PostgreSQL connection string (default
+//	                    $IDEMHTTP_POSTGRES_DSN, else $IDEMHTTP_TEST_POSTGRES_DSN)
+//	-redis HOST:PORT    Redis server (default $IDEMHTTP_TEST_REDIS_ADDR)
 //	-seed N             seed of the faults and the kill moments (default random)
 //	-timeout D          bound on the whole run (default 5m)
 //	-dir PATH           keep the run's files (ledger, key store, client log)

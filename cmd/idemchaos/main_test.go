@@ -3,7 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -13,6 +16,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // TestMain lets the test binary play the scenario's children: runScenario
@@ -58,7 +63,7 @@ func TestShortScenario(t *testing.T) {
 	assert.Equal(t, 0, count(t, report, "server restarts"))
 	assert.Equal(t, 7, count(t, report, "seed"))
 	assert.GreaterOrEqual(t, count(t, report, "attempts"), 80)
-	assert.Contains(t, report, "PASS: every operation executed exactly once")
+	assert.Contains(t, report, "PASS: every operation took effect exactly once")
 
 	// The ledger, kept by the server children, holds each operation once.
 	ledger, err := readLines(filepath.Join(dir, "ledger"))
@@ -84,9 +89,12 @@ func TestBadFlags(t *testing.T) {
 		want string
 	}{
 		{[]string{"-server-restarts", "1"}, "-server-restarts 1 needs a persistent store: the memory store"},
-		{[]string{"-store", "postgres"}, "-store postgres: not available in this build"},
-		{[]string{"-store", "postgres-tx"}, "-store postgres-tx: not available in this build"},
-		{[]string{"-store", "redis"}, "-store redis: not available in this build"},
+		{[]string{"-store", "postgres", "-dsn", ""}, "-store postgres needs a database: pass -dsn or set IDEMHTTP_POSTGRES_DSN"},
+		{[]string{"-store", "postgres-tx", "-dsn", ""}, "-store postgres-tx needs a database"},
+		{[]string{"-store", "redis", "-redis", ""}, "-store redis needs a server: pass -redis host:port or set IDEMHTTP_TEST_REDIS_ADDR"},
+		{[]string{"-store", "postgres-tx", "-dsn", "postgres://x", "-" + unsafeFlag}, "-unsafe-no-middleware: the postgres-tx handler writes in the claim's transaction"},
+		{[]string{"-store", "postgres", "-dsn", "postgres://127.0.0.1:1/x", "-ops", "1"}, "PostgreSQL at 127.0.0.1:1"},
+		{[]string{"-store", "redis", "-redis", "127.0.0.1:1", "-ops", "1"}, "no answer from Redis at 127.0.0.1:1"},
 		{[]string{"-store", "sqlite"}, `unknown -store "sqlite": want memory, postgres, postgres-tx or redis`},
 		{[]string{"-ops", "0"}, "-ops 0: need at least one operation"},
 		{[]string{"-workers", "0"}, "-workers 0: need at least one"},
@@ -119,13 +127,23 @@ func TestReportReadsLedger(t *testing.T) {
 	dir := t.TempDir()
 	f := files{ledger: filepath.Join(dir, "ledger"), clientLog: filepath.Join(dir, "log")}
 	require.NoError(t, os.WriteFile(f.ledger, []byte(
-		"executed op-1 k1\nexecuted op-2 k2\nexecuted op-2 k3\nexecuted op-9 k9\nexecuted op-3 k4"), 0o644))
+		"charged op-1 d1 0\n"+
+			"charged op-2 d2 0\ncharged op-2 d3 1\n"+ // two keys for one operation
+			"charged op-9 d9 0\n"+
+			"charged op-6 d6 0\nrepeated op-6 d6 1\nrepeated op-6 d6 3\n"+ // again after two kills
+			"charged op-7 d7 2\nrepeated op-7 d7 2\n"+ // again by the same server
+			"charged op-8 d8 1\nunsettled op-8 d8 1\nrepeated op-8 d8 1\n"+ // again after its claim was left in progress
+			"charged op-3 d4 0"), 0o644))
 	require.NoError(t, os.WriteFile(f.clientLog, []byte(
-		"done op-1 201 false\ndone op-2 201 true\ndone op-3 201 false\ndone op-4 409 false\ndone op-5 201"), 0o644))
-	r := &report{scenario: &scenario{ops: 5}}
-	require.NoError(t, r.read(f))
-	assert.Equal(t, map[string]int{"op-1": 1, "op-2": 2, "op-3": 0, "op-4": 0, "op-5": 0}, r.executions)
-	assert.Equal(t, []string{"op-2 (2 executions)"}, r.duplicated)
+		"done op-1 201 false\ndone op-2 201 true\ndone op-3 201 false\ndone op-4 409 false\n"+
+			"done op-6 201 false\ndone op-7 201 false\ndone op-8 201 false\ndone op-5 201"), 0o644))
+	r := &report{scenario: &scenario{ops: 8, spec: storeSpec{name: "postgres"}}}
+	require.NoError(t, r.read(f, nil))
+	assert.Equal(t, map[string]int{"op-1": 1, "op-2": 2, "op-3": 0, "op-4": 0, "op-5": 0, "op-6": 1, "op-7": 1, "op-8": 1},
+		r.executions)
+	assert.Equal(t, []string{"op-2 (2 executions)", "op-7 (run 1 more times by one server process)"}, r.duplicated)
+	assert.Equal(t, 2, r.reexecuted)                          // op-6's, each by a later server
+	assert.Equal(t, 1, r.unsettledRuns)                       // op-8's
 	assert.Equal(t, []string{"op-3", "op-4", "op-5"}, r.lost) // op-3's line was torn
 	assert.Equal(t, []string{"op-5"}, r.unfinished)           // so was op-5's
 	assert.Equal(t, []string{"op-4 (409)"}, r.refused)
@@ -135,8 +153,84 @@ func TestReportReadsLedger(t *testing.T) {
 
 	var out bytes.Buffer
 	r.print(&out)
-	assert.Contains(t, out.String(), "\nduplicates: 1\n")
+	assert.Contains(t, out.String(), "\nduplicates: 2\n")
 	assert.Contains(t, out.String(), "\nlost: 3\n")
-	assert.Contains(t, out.String(), "\nduplicated operations: op-2 (2 executions)\n")
+	assert.Contains(t, out.String(), "\nre-executions after server kills: 2\n")
+	assert.Contains(t, out.String(), "\nre-executions after claims left in progress: 1\n")
+	assert.Contains(t, out.String(), "\nduplicated operations: op-2 (2 executions), op-7 (run 1 more times by one server process)\n")
 	assert.Contains(t, out.String(), "\nlost operations (never executed): op-3, op-4, op-5\n")
+}
+
+// TestReportReadsPaymentsTable checks the verdict of a postgres-tx run,
+// whose ledger is the payments table and whose ledger file notes the
+// handler's runs.
+func TestReportReadsPaymentsTable(t *testing.T) {
+	dir := t.TempDir()
+	f := files{ledger: filepath.Join(dir, "ledger"), clientLog: filepath.Join(dir, "log")}
+	require.NoError(t, os.WriteFile(f.ledger, []byte(
+		"ran op-1 k1 0\nran op-2 k2 0\nran op-2 k2 1\nran op-3 k3 1\nran op-3 k3 1\n"), 0o644))
+	require.NoError(t, os.WriteFile(f.clientLog, []byte(
+		"done op-1 201 false\ndone op-2 201 false\ndone op-3 201 true\n"), 0o644))
+	payments := []entry{
+		{kind: kindCharged, op: "op-1", key: "k1"},
+		{kind: kindCharged, op: "op-2", key: "k2", server: 1}, // the run by server 0 rolled back
+		{kind: kindCharged, op: "op-3", key: "k3", server: 1},
+		{kind: kindCharged, op: "op-3", key: "k3", server: 1},
+	}
+	r := &report{scenario: &scenario{ops: 3, spec: storeSpec{name: "postgres-tx"}}}
+	require.NoError(t, r.read(f, payments))
+	assert.Equal(t, map[string]int{"op-1": 1, "op-2": 1, "op-3": 2}, r.executions)
+	assert.Equal(t, []string{"op-3 (2 executions)"}, r.duplicated)
+	assert.Empty(t, r.lost)
+	assert.Equal(t, 1, r.rolledBack)
+	var out bytes.Buffer
+	r.print(&out)
+	assert.Contains(t, out.String(), "\nhandler runs rolled back: 1\n")
+	assert.NotContains(t, out.String(), "re-executions")
+
+	// A ledger line of the other kind of store is refused.
+	require.NoError(t, os.WriteFile(f.ledger, []byte("charged op-1 d1 0\n"), 0o644))
+	r = &report{scenario: &scenario{ops: 3, spec: storeSpec{name: "postgres-tx"}}}
+	assert.ErrorContains(t, r.read(f, payments), `ledger: line "charged op-1 d1 0" does not belong to store postgres-tx`)
+}
+
+// TestUnsettledObserver checks which of the middleware's events the server
+// records as claims left in progress: those after which a retry runs the
+// handler again in the same server process.
+func TestUnsettledObserver(t *testing.T) {
+	key := idemserver.Key{Key: "k1"}
+	tests := []struct {
+		name string
+		ev   idemserver.Event
+		want bool
+	}{
+		{"executed and stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201}, false},
+		{"executed, not stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201,
+			Err: errors.New("store down")}, true},
+		{"lease lost at completion", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
+			Err: fmt.Errorf("complete: %w", idemserver.ErrLeaseLost)}, true},
+		{"released", idemserver.Event{Outcome: idemserver.OutcomeReleased, Status: 500}, false},
+		{"store unavailable", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
+			Err: errors.New("store down")}, false},
+		{"replayed", idemserver.Event{Outcome: idemserver.OutcomeReplayed, Status: 201}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "ledger")
+			p, err := openProvider(path, 3)
+			require.NoError(t, err)
+			r := httptest.NewRequest(http.MethodPost, "/pay/op-1", nil)
+			r.SetPathValue("op", "op-1")
+			tt.ev.Request, tt.ev.Key = r, key
+			unsettled(p)(tt.ev)
+			require.NoError(t, p.Close())
+			lines, err := readLines(path)
+			require.NoError(t, err)
+			if !tt.want {
+				assert.Empty(t, lines)
+				return
+			}
+			assert.Equal(t, [][]string{{kindUnsettled, "op-1", key.Derive("charge"), "3"}}, lines)
+		})
+	}
 }

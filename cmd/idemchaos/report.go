@@ -17,36 +17,88 @@ type report struct {
 	proxy                       idemtest.Stats
 	wall                        time.Duration
 
-	// executions counts the ledger's lines per operation of the scenario.
+	// executions counts the payments made per operation of the scenario:
+	// the charges in the ledger, or with postgres-tx the rows of the
+	// payments table.
 	executions map[string]int
-	// duplicated lists the operations executed more than once, lost those
-	// executed never, unfinished those the client never recorded done,
-	// refused those whose final status was not 201, and strangers the
-	// operations in the ledger that the scenario does not have.
+	// duplicated lists the operations paid more than once, or whose
+	// handler one server process ran more than once (which the middleware
+	// must prevent, whatever the provider then did); lost those paid
+	// never; unfinished those the client never recorded done; refused
+	// those whose final status was not 201; and strangers the operations
+	// in the ledger that the scenario does not have.
 	duplicated, lost, unfinished, refused, strangers []string
-	replaysReceived                                  int
+	// reexecuted counts the handler's runs for a payment already charged,
+	// each by a later server process than the run before it: after a
+	// server kill between the charge and the stored response, the lease
+	// ended and a retry took the claim over. unsettledRuns counts those by
+	// the same server process after the middleware reported the claim
+	// left in progress (the store failed to keep the outcome, or the lease
+	// was lost). The provider deduplicated both by the derived key.
+	// Lease-mode stores only.
+	reexecuted, unsettledRuns int
+	// rolledBack counts, with postgres-tx, the handler's runs whose
+	// transaction never committed (the server was killed inside it).
+	rolledBack      int
+	replaysReceived int
 }
 
-// read checks the ledger and the client log against the operations.
-func (r *report) read(f files) error {
+// read checks the ledger and the client log against the operations. With
+// postgres-tx, payments are the payments table's rows, which are the
+// ledger, and the ledger file only notes the handler's runs.
+func (r *report) read(f files, payments []entry) error {
 	ops := operations(r.scenario.ops)
 	r.executions = make(map[string]int, len(ops))
 	for _, op := range ops {
 		r.executions[op] = 0
 	}
-	ledger, err := readLines(f.ledger)
+	lines, err := readLines(f.ledger)
 	if err != nil {
 		return err
 	}
-	for _, l := range ledger {
-		if l[0] != "executed" || len(l) < 2 {
-			return fmt.Errorf("ledger: unexpected line %q", strings.Join(l, " "))
+	effects := payments
+	runs := 0
+	for _, l := range lines {
+		e, err := parseEntry(l)
+		if err != nil {
+			return err
 		}
-		if _, ok := r.executions[l[1]]; !ok {
-			r.strangers = append(r.strangers, l[1])
+		switch tx := r.scenario.spec.transactional(); {
+		case tx && e.kind == kindRan:
+			runs++
+		case !tx && e.kind != kindRan:
+			effects = append(effects, e)
+		default:
+			return fmt.Errorf("ledger: line %q does not belong to store %s", strings.Join(l, " "), r.scenario.spec.name)
+		}
+	}
+	r.rolledBack = max(runs-len(payments), 0)
+	lastServer := make(map[string]int) // of each operation's last run
+	unsettled := make(map[string]bool) // since the operation's last run
+	againByOne := make(map[string]int) // runs again by the same process
+	for _, e := range effects {
+		if _, ok := r.executions[e.op]; !ok {
+			r.strangers = append(r.strangers, e.op)
 			continue
 		}
-		r.executions[l[1]]++
+		switch e.kind {
+		case kindUnsettled:
+			unsettled[e.op] = true
+			continue
+		case kindCharged:
+			r.executions[e.op]++
+		case kindRepeated:
+			switch last, ok := lastServer[e.op]; {
+			case ok && e.server > last:
+				r.reexecuted++
+			case unsettled[e.op]:
+				r.unsettledRuns++
+			default:
+				againByOne[e.op]++
+			}
+		}
+		lastServer[e.op] = e.server
+		unsettled[e.op] = false
 	}
 	log, err := readLines(f.clientLog)
 	if err != nil {
@@ -66,11 +118,18 @@ func (r *report) read(f files) error {
 		}
 	}
 	for _, op := range ops {
+		var why []string
 		switch n := r.executions[op]; {
 		case n == 0:
 			r.lost = append(r.lost, op)
 		case n > 1:
-			r.duplicated = append(r.duplicated, fmt.Sprintf("%s (%d executions)", op, n))
+			why = append(why, fmt.Sprintf("%d executions", n))
+		}
+		if n := againByOne[op]; n > 0 {
+			why = append(why, fmt.Sprintf("run %d more times by one server process", n))
+		}
+		if len(why) > 0 {
+			r.duplicated = append(r.duplicated, op+" ("+strings.Join(why, ", ")+")")
 		}
 		if !done[op] {
 			r.unfinished = append(r.unfinished, op)
@@ -89,7 +148,14 @@ func (r *report) failed() bool {
 func (r *report) print(w io.Writer) {
 	sc := r.scenario
 	p := r.proxy
-	fmt.Fprintf(w, "idemchaos: store %s, %d workers, faults %g, seed %d\n", sc.store, sc.workers, sc.faults, sc.seed)
+	store := sc.spec.name
+	switch {
+	case sc.spec.name == "redis":
+		store += " (key prefix " + sc.spec.redisPrefix() + ", deleted)"
+	case sc.spec.persistent():
+		store += " (schema " + sc.spec.space + ", dropped)"
+	}
+	fmt.Fprintf(w, "idemchaos: store %s, %d workers, faults %g, seed %d\n", store, sc.workers, sc.faults, sc.seed)
 	fmt.Fprintf(w, "operations: %d\n", sc.ops)
 	fmt.Fprintf(w, "attempts: %d\n", p.Requests)
 	fmt.Fprintf(w, "retries: %d\n", p.Requests-sc.ops)
@@ -99,6 +165,14 @@ func (r *report) print(w io.Writer) {
 		p.ResetBefore, p.LostResponses, p.Unavailable, p.TooManyRequests, p.Stalled, p.Delayed)
 	fmt.Fprintf(w, "duplicates: %d\n", len(r.duplicated))
 	fmt.Fprintf(w, "lost: %d\n", len(r.lost))
+	if sc.spec.transactional() {
+		fmt.Fprintf(w, "handler runs rolled back: %d\n", r.rolledBack)
+	} else {
+		fmt.Fprintf(w, "re-executions after server kills: %d\n", r.reexecuted)
+		if r.unsettledRuns > 0 {
+			fmt.Fprintf(w, "re-executions after claims left in progress: %d\n", r.unsettledRuns)
+		}
+	}
 	if len(r.unfinished) > 0 {
 		fmt.Fprintf(w, "unfinished: %d\n", len(r.unfinished))
 	}
@@ -120,9 +194,20 @@ func (r *report) print(w io.Writer) {
 			fmt.Fprintf(w, "%s: %s\n", l.what, strings.Join(l.ops, ", "))
 		}
 	}
+	if r.reexecuted > 0 {
+		fmt.Fprintf(w, "note: %d handler runs came for payments already charged, by a server started after "+
+			"the one that charged was killed before storing the response and the claim's lease ended; "+
+			"the provider found each charge under the forwarded key (idemserver.KeyFrom, Key.Derive) "+
+			"and did not charge again\n", r.reexecuted)
+	}
+	if r.unsettledRuns > 0 {
+		fmt.Fprintf(w, "note: %d handler runs came for payments already charged, after the store failed to "+
+			"keep the outcome or the claim's lease was lost; lease mode allows them, and the provider "+
+			"did not charge again\n", r.unsettledRuns)
+	}
 	if r.failed() {
 		fmt.Fprintln(w, "FAIL")
 	} else {
-		fmt.Fprintln(w, "PASS: every operation executed exactly once")
+		fmt.Fprintln(w, "PASS: every operation took effect exactly once")
 	}
 }

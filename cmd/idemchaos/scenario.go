@@ -15,15 +15,25 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/idemhttp/idemhttp/idemtest"
 )
 
-// unsafeFlag serves without the middleware, to show that idemchaos catches
-// a server that executes retries again. It is left out of the usage text.
-const unsafeFlag = "unsafe-no-middleware"
+// Flags that break the server on purpose, to show that idemchaos catches
+// what they break; they are left out of the usage text. unsafeFlag serves
+// without the middleware, so retries execute again. unsafeEffectFlag makes
+// the handler's effect one that the guarantee does not cover: in lease mode
+// it forwards no key to the payment provider, and with postgres-tx it
+// writes the payment outside the claim's transaction, so a server killed
+// between the payment and the stored response pays again when a retry
+// runs the handler after the takeover (see ledger.go).
+const (
+	unsafeFlag       = "unsafe-no-middleware"
+	unsafeEffectFlag = "unsafe-effect"
+)
 
 // scenario is what a run does, from the flags.
 type scenario struct {
@@ -31,11 +41,12 @@ type scenario struct {
 	clientKills     int
 	serverRestarts  int
 	faults          float64
-	store           string
+	spec            storeSpec
 	seed            int64
 	timeout         time.Duration
 	dir             string
 	noMiddleware    bool
+	unsafeEffect    bool
 	self            string // this program's executable
 	stderr          io.Writer
 	pollEvery       time.Duration
@@ -78,16 +89,23 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 	fs.IntVar(&sc.serverRestarts, "server-restarts", 0,
 		"times the server is killed with SIGKILL and restarted (persistent stores only)")
 	fs.Float64Var(&sc.faults, "faults", 0.2, "share of requests the proxy faults, in [0, 1]")
-	fs.StringVar(&sc.store, "store", "memory", "the server's store: "+storeNames)
+	fs.StringVar(&sc.spec.name, "store", "memory", "the server's store: "+storeNames)
+	fs.StringVar(&sc.spec.dsn, "dsn", envDefault(dsnVariables),
+		"PostgreSQL connection string, for -store postgres and postgres-tx (default $"+
+			strings.Join(dsnVariables, " or $")+")")
+	fs.StringVar(&sc.spec.redisAddr, "redis", envDefault(redisVariables),
+		"Redis server host:port, for -store redis (default $"+redisVariables[0]+")")
 	fs.Int64Var(&sc.seed, "seed", 0, "seed of the faults and of the kill moments (0: random)")
 	fs.DurationVar(&sc.timeout, "timeout", 5*time.Minute, "bound on the whole run")
 	fs.StringVar(&sc.dir, "dir", "", "keep the run's files in this directory (default: a temporary one, removed)")
 	fs.BoolVar(&sc.noMiddleware, unsafeFlag, false, "serve without the middleware (a broken server)")
+	fs.BoolVar(&sc.unsafeEffect, unsafeEffectFlag, false,
+		"the handler's effect is not deduplicated downstream nor in the claim's transaction")
 	fs.Usage = func() {
 		shown := flag.NewFlagSet("idemchaos", flag.ContinueOnError)
 		shown.SetOutput(stderr)
 		fs.VisitAll(func(f *flag.Flag) {
-			if f.Name != unsafeFlag {
+			if !strings.HasPrefix(f.Name, "unsafe-") {
 				shown.Var(f.Value, f.Name, f.Usage)
 			}
 		})
@@ -112,14 +130,16 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 	case sc.timeout <= 0:
 		return nil, fmt.Errorf("-timeout %v: want a positive duration", sc.timeout)
 	}
-	if _, closeStore, err := openStore(context.Background(), sc.store); err != nil {
-		return nil, err
-	} else if err := closeStore(); err != nil {
+	if err := sc.spec.check(); err != nil {
 		return nil, err
 	}
-	if sc.serverRestarts > 0 && !persistent(sc.store) {
+	if sc.serverRestarts > 0 && !sc.spec.persistent() {
 		return nil, fmt.Errorf("-server-restarts %d needs a persistent store: the %s store keeps its keys "+
-			"in the server process, and a restart would lose every one of them", sc.serverRestarts, sc.store)
+			"in the server process, and a restart would lose every one of them", sc.serverRestarts, sc.spec.name)
+	}
+	if sc.noMiddleware && sc.spec.transactional() {
+		return nil, fmt.Errorf("-%s: the postgres-tx handler writes in the claim's transaction, "+
+			"which there is none of without the middleware", unsafeFlag)
 	}
 	if sc.seed == 0 {
 		sc.seed = rand.Int64()
@@ -152,7 +172,7 @@ type files struct {
 	ledger, keys, clientLog string
 }
 
-func (sc *scenario) run(ctx context.Context) (*report, error) {
+func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, sc.timeout)
 	defer cancel()
@@ -178,8 +198,20 @@ func (sc *scenario) run(ctx context.Context) (*report, error) {
 		}
 	}
 
+	sc.spec.space = newSpace()
+	removeSpace, err := sc.spec.prepare(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if rerr := removeSpace(); rerr != nil && err == nil {
+			err = fmt.Errorf("removing the run's %s: %w", sc.spec.space, rerr)
+		}
+	}()
+
 	// The server children inherit the listening socket, so that a
-	// restarted server listens where the proxy sends.
+	// restarted server listens where the proxy sends, and connections
+	// that arrive while no server runs wait in its backlog.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
@@ -191,14 +223,12 @@ func (sc *scenario) run(ctx context.Context) (*report, error) {
 		return nil, err
 	}
 	defer sock.Close()
-	serverArgs := []string{"-ledger", f.ledger, "-store", sc.store}
-	if sc.noMiddleware {
-		serverArgs = append(serverArgs, "-"+unsafeFlag)
-	}
-	server, err := sc.startServer(ctx, serverArgs, sock)
+	server, err := sc.startServer(ctx, f.ledger, 0, sock)
 	if err != nil {
 		return nil, err
 	}
+	// Killed before the space is removed, so that it holds no
+	// transaction open there.
 	defer func() { server.kill() }()
 
 	proxy, err := idemtest.NewProxy("http://"+addr, proxyFaults(sc.faults), sc.seed)
@@ -209,7 +239,7 @@ func (sc *scenario) run(ctx context.Context) (*report, error) {
 
 	clientArgs := []string{"-keys", f.keys, "-log", f.clientLog, "-url", proxy.URL(),
 		"-ops", strconv.Itoa(sc.ops), "-workers", strconv.Itoa(sc.workers)}
-	rep := &report{scenario: sc}
+	rep = &report{scenario: sc}
 	rng := rand.New(rand.NewPCG(uint64(sc.seed), 0x6b696c6c73))
 	killAt := moments(rng, sc.clientKills, sc.ops)
 	restartAt := moments(rng, sc.serverRestarts, sc.ops)
@@ -233,6 +263,8 @@ func (sc *scenario) run(ctx context.Context) (*report, error) {
 			}
 			finished = true
 			continue
+		case <-server.exited:
+			return nil, fmt.Errorf("server %d exited by itself: %v", rep.serverRestarts, server.err)
 		case <-tick.C:
 		}
 		if err := progress.read(); err != nil {
@@ -240,12 +272,12 @@ func (sc *scenario) run(ctx context.Context) (*report, error) {
 		}
 		if len(restartAt) > 0 && len(progress.done) >= restartAt[0] {
 			restartAt = restartAt[1:]
-			sleepRandom(ctx, rng)
+			sc.awaitEffect(ctx, f.ledger)
 			server.kill()
-			if server, err = sc.startServer(ctx, serverArgs, sock); err != nil {
+			rep.serverRestarts++
+			if server, err = sc.startServer(ctx, f.ledger, rep.serverRestarts, sock); err != nil {
 				return nil, err
 			}
-			rep.serverRestarts++
 		}
 		if len(killAt) > 0 && len(progress.done) >= killAt[0] {
 			killAt = killAt[1:]
@@ -265,8 +297,34 @@ func (sc *scenario) run(ctx context.Context) (*report, error) {
 		return nil, fmt.Errorf("server: %w", err)
 	}
 	rep.proxy = proxy.Stats()
+	var payments []entry
+	if sc.spec.transactional() {
+		if payments, err = sc.spec.payments(ctx); err != nil {
+			return nil, err
+		}
+	}
 	rep.wall = time.Since(start)
-	return rep, rep.read(f)
+	return rep, rep.read(f, payments)
+}
+
+// awaitEffect waits, up to a second, until the ledger file grows: a handler
+// has just made its effect (a charge, or with postgres-tx an insert in its
+// transaction) and is about to answer, so that a server kill that follows
+// at once lands between the effect and the stored response, where a store
+// that is not atomic with the handler's effect is put to the test.
+func (sc *scenario) awaitEffect(ctx context.Context, ledger string) {
+	size := func() int64 {
+		fi, err := os.Stat(ledger)
+		if err != nil {
+			return 0
+		}
+		return fi.Size()
+	}
+	was := size()
+	deadline := time.Now().Add(time.Second)
+	for size() == was && time.Now().Before(deadline) && ctx.Err() == nil {
+		sleep(ctx, time.Millisecond)
+	}
 }
 
 // moments returns n progress points, sorted, at which to kill a process:
@@ -287,8 +345,17 @@ func sleepRandom(ctx context.Context, rng *rand.Rand) {
 	sleep(ctx, time.Duration(rng.Int64N(int64(10*time.Millisecond))))
 }
 
-// startServer starts a server child on the socket and waits until it serves.
-func (sc *scenario) startServer(ctx context.Context, args []string, sock *os.File) (*child, error) {
+// startServer starts the server child numbered number on the socket and
+// waits until it serves.
+func (sc *scenario) startServer(ctx context.Context, ledger string, number int, sock *os.File) (*child, error) {
+	args := []string{"-ledger", ledger, "-store", sc.spec.name, "-space", sc.spec.space,
+		"-redis", sc.spec.redisAddr, "-server", strconv.Itoa(number)}
+	if sc.noMiddleware {
+		args = append(args, "-"+unsafeFlag)
+	}
+	if sc.unsafeEffect {
+		args = append(args, "-"+unsafeEffectFlag)
+	}
 	r, w, err := os.Pipe()
 	if err != nil {
 		return nil, err
@@ -314,7 +381,7 @@ func (sc *scenario) startServer(ctx context.Context, args []string, sock *os.Fil
 	}
 	c.kill()
 	r.Close() // ends the reader
-	return nil, errors.New("the server did not start")
+	return nil, fmt.Errorf("server %d did not start", number)
 }
 
 // child is a child process of the scenario.
@@ -329,6 +396,9 @@ type child struct {
 func (sc *scenario) start(role string, args []string, extra []*os.File, stdout *os.File) (*child, error) {
 	cmd := exec.Command(sc.self, args...)
 	cmd.Env = append(os.Environ(), roleEnv+"="+role)
+	if role == roleServer {
+		cmd.Env = append(cmd.Env, dsnEnv+"="+sc.spec.dsn)
+	}
 	cmd.Stderr = sc.stderr
 	if stdout != nil {
 		cmd.Stdout = stdout
