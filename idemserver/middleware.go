@@ -486,7 +486,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	}
 	rec.finish()
 
-	if released(rec.status) {
+	if ReleasesStatus(rec.status) {
 		err := m.release(storeCtx, key, token, leaseEnd)
 		if again(err) {
 			return true
@@ -591,11 +591,13 @@ func retryEnd(err error, try int, leaseEnd time.Time) bool {
 // some handlers write, for a request whose client went away.
 const statusClientClosedRequest = 499
 
-// released reports whether a response with status ends its claim with a
-// release rather than being stored: a server error, a refusal that invites
-// the client to send the same request again, or a note that the client went
-// away before it got an answer.
-func released(status int) bool {
+// ReleasesStatus reports whether the middleware releases the claim of a
+// handler that answered with status, so that a retry runs the handler
+// again, rather than storing the response as the key's outcome: a server
+// error (500 or more), a refusal that invites the client to send the same
+// request again (408, 425, 429), or a note that the client went away
+// before it got an answer (499). Every other status is stored.
+func ReleasesStatus(status int) bool {
 	switch status {
 	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests, statusClientClosedRequest:
 		return true

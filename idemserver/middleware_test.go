@@ -551,3 +551,28 @@ func TestConcurrentRequestsKeepTheirBodies(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// TestReleasesStatus checks the exported rule against what the middleware
+// does: a status it releases runs the handler again on the retry, and any
+// other is replayed.
+func TestReleasesStatus(t *testing.T) {
+	for _, tt := range []struct {
+		status   int
+		releases bool
+	}{
+		{http.StatusOK, false}, {http.StatusCreated, false}, {http.StatusNoContent, false},
+		{http.StatusFound, false}, {http.StatusBadRequest, false}, {http.StatusConflict, false},
+		{http.StatusUnprocessableEntity, false}, {http.StatusRequestTimeout, true},
+		{http.StatusTooEarly, true}, {http.StatusTooManyRequests, true}, {499, true},
+		{http.StatusInternalServerError, true}, {http.StatusServiceUnavailable, true}, {599, true},
+	} {
+		t.Run(itoa(int64(tt.status)), func(t *testing.T) {
+			assert.Equal(t, tt.releases, ReleasesStatus(tt.status))
+			h := &countingHandler{status: tt.status}
+			mw := Middleware(NewMemoryStore())(h)
+			serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			assertReplayed(t, !tt.releases, w, h)
+		})
+	}
+}

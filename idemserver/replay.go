@@ -126,7 +126,7 @@ func (c *recorder) WriteHeader(code int) {
 	c.status = code
 	c.fields = appendFields(c.fields[:c.outerEnd], h)
 	c.sentEnd = len(c.fields)
-	if !released(code) {
+	if !ReleasesStatus(code) {
 		c.fields, c.hasLength = appendReplayable(c.fields, h, c.allow, c.fields[:c.outerEnd])
 	}
 }
@@ -239,7 +239,7 @@ func (c *recorder) finish() {
 		c.WriteHeader(http.StatusOK)
 	}
 	c.length[0] = strconv.Itoa(len(c.body))
-	if !c.tooLarge && !released(c.status) && bodyAllowed(c.status) && !c.hasLength {
+	if !c.tooLarge && !ReleasesStatus(c.status) && bodyAllowed(c.status) && !c.hasLength {
 		c.fields = appendHeaderField(c.fields, "Content-Length", c.length[0])
 	}
 }

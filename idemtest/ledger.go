@@ -5,6 +5,8 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // ledger counts the executions of the handler behind it, per idempotency
@@ -33,26 +35,11 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// counted, though the middleware releases its key: the ledger cannot
 	// tell whether it acted, and one that did runs again on the retry,
 	// which the ledger must show.
-	if kept(sw.status) {
+	if !idemserver.ReleasesStatus(sw.status) {
 		l.mu.Lock()
 		l.runs[key]++
 		l.mu.Unlock()
 	}
-}
-
-// statusClientClosedRequest says that the client went away; the middleware
-// releases the key after it.
-const statusClientClosedRequest = 499
-
-// kept reports whether the middleware keeps a response with status as the
-// key's outcome; it releases the key after the others, so that a retry
-// runs the handler again.
-func kept(status int) bool {
-	switch status {
-	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests, statusClientClosedRequest:
-		return false
-	}
-	return status < http.StatusInternalServerError
 }
 
 func (l *ledger) executions() map[string]int {
