@@ -6,6 +6,8 @@ import (
 	"sync"
 	"time"
 	"unsafe"
+
+	"github.com/idemhttp/idemhttp/internal/varint"
 )
 
 // memShard is one independently locked part of a [MemoryStore].
@@ -295,7 +297,7 @@ func unixNano(t time.Time) int64 {
 
 // packedKeyLen returns the length of k as writePackedKey writes it.
 func packedKeyLen(k Key) int {
-	return uvarintLen(uint64(len(k.Scope))) + len(k.Scope) + uvarintLen(uint64(len(k.Key))) + len(k.Key)
+	return varint.Len(uint64(len(k.Scope))) + len(k.Scope) + varint.Len(uint64(len(k.Key))) + len(k.Key)
 }
 
 // writePackedKey writes k to b: the scope and the key, each preceded by

@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+
+	"github.com/idemhttp/idemhttp/internal/varint"
 )
 
 // A packed response is the form in which the middleware holds back a
@@ -33,7 +35,7 @@ type packedParts struct {
 
 // size returns the length of the packed form of p.
 func (p packedParts) size() int {
-	return uvarintLen(uint64(p.status)) + 1 + uvarintLen(uint64(len(p.fields))) + len(p.fields) + len(p.body)
+	return varint.Len(uint64(p.status)) + 1 + varint.Len(uint64(len(p.fields))) + len(p.fields) + len(p.body)
 }
 
 // flags returns the flags byte of p's packed form.
@@ -431,12 +433,6 @@ func (p packed) replay(w http.ResponseWriter) {
 	if p.body != "" {
 		_, _ = io.WriteString(w, p.body)
 	}
-}
-
-// uvarintLen returns the length of v encoded as a uvarint.
-func uvarintLen(v uint64) int {
-	var buf [binary.MaxVarintLen64]byte
-	return len(binary.AppendUvarint(buf[:0], v))
 }
 
 func writeUvarint(b *strings.Builder, v uint64) {

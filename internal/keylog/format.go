@@ -8,6 +8,8 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+
+	"github.com/idemhttp/idemhttp/internal/varint"
 )
 
 const (
@@ -102,7 +104,7 @@ func IsHeaderPrefix(b []byte) bool {
 
 // AcquireSize is the encoded size of an acquire record.
 func AcquireSize(opLen, keyLen int) int {
-	return 1 + 8 + uvarintLen(opLen) + opLen + uvarintLen(keyLen) + keyLen
+	return 1 + 8 + varint.Len(uint64(opLen)) + opLen + varint.Len(uint64(keyLen)) + keyLen
 }
 
 // AppendAcquire appends an acquire record to b.
@@ -123,15 +125,6 @@ func appendOpKey(b []byte, op, key string) []byte {
 	b = append(b, op...)
 	b = binary.AppendUvarint(b, uint64(len(key)))
 	return append(b, key...)
-}
-
-func uvarintLen(n int) int {
-	l := 1
-	for n >= 0x80 {
-		n >>= 7
-		l++
-	}
-	return l
 }
 
 // PutFrameHeader fills frame[:FrameHeaderSize] for the body that follows it

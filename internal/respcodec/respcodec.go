@@ -27,6 +27,8 @@ import (
 	"net/http"
 
 	"github.com/idemhttp/idemhttp/idemserver"
+
+	"github.com/idemhttp/idemhttp/internal/varint"
 )
 
 // Version is the format version that [Append] writes.
@@ -45,18 +47,18 @@ const flagOmitted = 1
 
 // Size returns the length of the encoding of resp.
 func Size(resp *idemserver.Response) int {
-	n := 1 + uvarintLen(uint64(resp.Status)) + 1 + uvarintLen(uint64(len(resp.Header)))
+	n := 1 + varint.Len(uint64(resp.Status)) + 1 + varint.Len(uint64(len(resp.Header)))
 	for name, values := range resp.Header {
-		n += uvarintLen(uint64(len(name))) + len(name) + uvarintLen(uint64(len(values)))
+		n += varint.Len(uint64(len(name))) + len(name) + varint.Len(uint64(len(values)))
 		for _, v := range values {
-			n += uvarintLen(uint64(len(v))) + len(v)
+			n += varint.Len(uint64(len(v))) + len(v)
 		}
 	}
 	body := len(resp.Body)
 	if resp.BodyOmitted {
 		body = 0
 	}
-	return n + uvarintLen(uint64(body)) + body
+	return n + varint.Len(uint64(body)) + body
 }
 
 // Append appends the encoding of resp to b and returns the extended
@@ -185,7 +187,7 @@ func (d *decoder) uvarint() uint64 {
 		return 0
 	}
 	v, n := binary.Uvarint(d.b[d.i:])
-	if n <= 0 || n != uvarintLen(v) {
+	if n <= 0 || n != varint.Len(v) {
 		// Only the shortest form is valid, so that each response has one
 		// encoding (up to the order of its fields).
 		d.fail("bad uvarint")
@@ -232,13 +234,4 @@ func (d *decoder) bytes() {
 func appendString(b []byte, s string) []byte {
 	b = binary.AppendUvarint(b, uint64(len(s)))
 	return append(b, s...)
-}
-
-func uvarintLen(v uint64) int {
-	n := 1
-	for v >= 0x80 {
-		v >>= 7
-		n++
-	}
-	return n
 }
