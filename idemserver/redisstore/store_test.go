@@ -3,6 +3,8 @@ package redisstore_test
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -63,42 +65,78 @@ func TestRecordLayout(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
 
-	// One hash, under a key whose hash tag is the (scope, key) pair.
+	// One string, under a key whose hash tag is the (scope, key) pair.
 	key := f.redisKey()
 	assert.Equal(t, f.prefix+"{:k}", key)
 	typ, err := f.client.Type(ctx, key).Result()
 	require.NoError(t, err)
-	assert.Equal(t, "hash", typ)
+	assert.Equal(t, "string", typ)
+	v, err := f.client.Get(ctx, key).Bytes()
+	require.NoError(t, err)
+	want := []byte{1, 'p'}
+	want = append(want, c.Fingerprint[:]...)
+	want = binary.BigEndian.AppendUint64(want, uint64(c.LeaseExpires.UnixMicro()))
+	want = append(want, 0, 2, 't', '1')
+	assert.Equal(t, want, v, "version, state, fingerprint, lease end, token")
 
 	// In progress: it expires in Redis with its lease plus the margin.
 	pttl, err := f.client.PTTL(ctx, key).Result()
 	require.NoError(t, err)
 	assert.Greater(t, pttl, redisstore.LeaseMargin+time.Minute-10*time.Second, "PTTL of an in-progress record")
-	assert.LessOrEqual(t, pttl, redisstore.LeaseMargin+time.Minute)
+	assert.LessOrEqual(t, pttl, redisstore.LeaseMargin+time.Minute+time.Millisecond)
 
-	// Completed: it expires with its own TTL, and keeps no lease.
+	// Completed: it expires with its own TTL; the state and the time
+	// change, the token stays, and the response follows in respcodec's
+	// encoding.
 	resp := &idemserver.Response{Status: http.StatusCreated, Body: []byte("done")}
-	require.NoError(t, f.store.Complete(ctx, c.Key, c.Token, resp, time.Now().Add(2*time.Hour)))
+	expires := time.Now().Add(2 * time.Hour)
+	require.NoError(t, f.store.Complete(ctx, c.Key, c.Token, resp, expires))
 	pttl, err = f.client.PTTL(ctx, key).Result()
 	require.NoError(t, err)
 	assert.Greater(t, pttl, 2*time.Hour-10*time.Second, "PTTL of a completed record")
-	assert.LessOrEqual(t, pttl, 2*time.Hour)
-	fields, err := f.client.HKeys(ctx, key).Result()
+	assert.LessOrEqual(t, pttl, 2*time.Hour+time.Millisecond)
+	v, err = f.client.Get(ctx, key).Bytes()
 	require.NoError(t, err)
-	assert.ElementsMatch(t, []string{"f", "r", "e", "c"}, fields)
-	stored, err := f.client.HGet(ctx, key, "r").Bytes()
-	require.NoError(t, err)
-	assert.Equal(t, respcodec.Encode(resp), stored, "the response in respcodec's encoding")
+	want = []byte{1, 'c'}
+	want = append(want, c.Fingerprint[:]...)
+	want = binary.BigEndian.AppendUint64(want, uint64(expires.UnixMicro()))
+	want = append(want, 0, 2, 't', '1')
+	want = append(want, respcodec.Encode(resp)...)
+	assert.Equal(t, want, v, "version, state, fingerprint, expiry, token, response")
 
-	// Extend moves the native expiry with the lease.
+	// Extend moves the lease's end and the native expiry.
 	c2 := claim("k2", "t2", time.Minute)
 	res, err = f.store.Claim(ctx, c2)
 	require.NoError(t, err)
 	require.True(t, res.Claimed)
-	require.NoError(t, f.store.Extend(ctx, c2.Key, c2.Token, time.Now().Add(time.Hour)))
+	end := time.Now().Add(time.Hour)
+	require.NoError(t, f.store.Extend(ctx, c2.Key, c2.Token, end))
 	pttl, err = f.client.PTTL(ctx, f.prefix+"{:k2}").Result()
 	require.NoError(t, err)
 	assert.Greater(t, pttl, redisstore.LeaseMargin+time.Hour-10*time.Second, "PTTL after Extend")
+	v, err = f.client.Get(ctx, f.prefix+"{:k2}").Bytes()
+	require.NoError(t, err)
+	assert.Equal(t, uint64(end.UnixMicro()), binary.BigEndian.Uint64(v[34:42]), "the lease's end")
+	assert.Len(t, v, 44+2, "nothing else changed length")
+}
+
+func TestTimesClamped(t *testing.T) {
+	// time.Time saturates far from now (the middleware's expiry of a
+	// record kept for a TTL of centuries): the record's time and its
+	// native expiry are clamped, never wrapped round to the past.
+	f := newFixture(t)
+	ctx := t.Context()
+	c := claim("k", "t", time.Minute)
+	mustClaim(t, f.store, c)
+	forever := time.Now().Add(math.MaxInt64)
+	require.NoError(t, f.store.Complete(ctx, c.Key, c.Token, &idemserver.Response{Status: 200}, forever))
+	pttl, err := f.client.PTTL(ctx, f.redisKey()).Result()
+	require.NoError(t, err)
+	assert.Greater(t, pttl, 200*365*24*time.Hour, "kept for centuries")
+	res, err := f.store.Claim(ctx, claim("k", "u", time.Minute))
+	require.NoError(t, err)
+	require.True(t, res.Record.Completed())
+	assert.Equal(t, int64(1<<53-1), res.Record.Expires.UnixMicro(), "the latest time the record holds")
 }
 
 func TestClaimSentAgain(t *testing.T) {
@@ -183,35 +221,90 @@ func TestClock(t *testing.T) {
 	assert.InDelta(t, time.Hour.Seconds(), res.Record.Expires.Sub(past).Seconds(), 10, "expiry reported an hour after the claim's time")
 }
 
+// recordValue returns a record value in the store's layout: version 1
+// unless version is set.
+func recordValue(version byte, state byte, token string, rest string) string {
+	fp := sha256.Sum256([]byte("request"))
+	b := []byte{version, state}
+	b = append(b, fp[:]...)
+	b = binary.BigEndian.AppendUint64(b, uint64(time.Now().Add(time.Hour).UnixMicro()))
+	b = binary.BigEndian.AppendUint16(b, uint16(len(token)))
+	b = append(b, token...)
+	return string(append(b, rest...))
+}
+
 func TestBadRecords(t *testing.T) {
-	// What the store did not write is an error, never a claim or a replay;
-	// through the middleware it is a 503, and the handler does not run.
+	// What the store did not write, or a later release wrote, is an error,
+	// never a claim or a replay; through the middleware it is a 503, and
+	// the handler does not run. The scripts leave such a record alone.
+	set := func(v string) func(ctx context.Context, c *redis.Client, key string) error {
+		return func(ctx context.Context, c *redis.Client, key string) error {
+			return c.Set(ctx, key, v, time.Hour).Err()
+		}
+	}
+	ok := string(respcodec.Encode(&idemserver.Response{Status: http.StatusCreated}))
 	for _, tt := range []struct {
 		name  string
 		setup func(ctx context.Context, c *redis.Client, key string) error
 		is    error
 	}{
-		{"not a hash", func(ctx context.Context, c *redis.Client, key string) error {
-			return c.Set(ctx, key, "x", time.Hour).Err()
+		{"not a string", func(ctx context.Context, c *redis.Client, key string) error {
+			return c.HSet(ctx, key, "f", strings.Repeat("f", 32)).Err()
 		}, nil},
-		{"response of a later version", func(ctx context.Context, c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "f", strings.Repeat("f", 32), "r", "\x02later", "e", "9999999999999999").Err()
-		}, respcodec.ErrUnknownVersion},
-		{"damaged response", func(ctx context.Context, c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "f", strings.Repeat("f", 32), "r", "\x01", "e", "9999999999999999").Err()
-		}, respcodec.ErrCorrupt},
-		{"short fingerprint", func(ctx context.Context, c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "f", "short", "t", "x", "l", "9999999999999999").Err()
-		}, redisstore.ErrUnexpectedReply},
+		{"later layout version", set(recordValue(2, 'c', "t", ok)), redisstore.ErrUnknownVersion},
+		{"later layout version, short", set("\x02"), redisstore.ErrUnknownVersion},
+		{"unknown state", set(recordValue(1, 'x', "t", ok)), redisstore.ErrUnexpectedReply},
+		{"short record", set("\x01p"), redisstore.ErrUnexpectedReply},
+		{"token past the end", set(recordValue(1, 'p', "token", "")[:48]), redisstore.ErrUnexpectedReply},
+		{"in progress, with bytes after the token", set(recordValue(1, 'p', "t", "x")), redisstore.ErrUnexpectedReply},
+		{"completed, without a response", set(recordValue(1, 'c', "t", "")), redisstore.ErrUnexpectedReply},
+		{"response of a later version", set(recordValue(1, 'c', "t", "\x02later")), respcodec.ErrUnknownVersion},
+		{"damaged response", set(recordValue(1, 'c', "t", "\x01")), respcodec.ErrCorrupt},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			f := newFixture(t)
-			require.NoError(t, tt.setup(t.Context(), f.client, f.prefix+"{:k}"))
+			key := f.prefix + "{:k}"
+			require.NoError(t, tt.setup(t.Context(), f.client, key))
+			dump := func() string {
+				d, err := f.client.Dump(t.Context(), key).Result()
+				require.NoError(t, err)
+				return d
+			}
+			before := dump()
 			_, err := f.store.Claim(t.Context(), claim("k", "t", time.Minute))
 			require.Error(t, err)
 			if tt.is != nil {
 				assert.ErrorIs(t, err, tt.is)
 			}
+			// The scripts refuse it too, for whatever token, and change
+			// nothing.
+			ctx := t.Context()
+			k := idemserver.Key{Key: "k"}
+			for name, err := range map[string]error{
+				"TakeOver": func() error { _, err := f.store.TakeOver(ctx, claim("k", "u", time.Minute), "t"); return err }(),
+				"Complete": f.store.Complete(ctx, k, "t", &idemserver.Response{Status: 200}, time.Now().Add(time.Hour)),
+				"Release":  f.store.Release(ctx, k, "t"),
+				"Extend":   f.store.Extend(ctx, k, "t", time.Now().Add(time.Hour)),
+			} {
+				switch tt.is {
+				case redisstore.ErrUnknownVersion, redisstore.ErrUnexpectedReply:
+					assert.ErrorIs(t, err, tt.is, name)
+				case nil:
+					assert.Error(t, err, name)
+				default:
+					// A completed record of this layout whose response is
+					// not readable: a takeover finds it and fails as the
+					// claim does; its lease is no one's.
+					if name == "TakeOver" {
+						assert.ErrorIs(t, err, tt.is, name)
+					} else {
+						assert.ErrorIs(t, err, idemserver.ErrLeaseLost, name)
+					}
+					continue
+				}
+				assert.NotErrorIs(t, err, idemserver.ErrLeaseLost, name)
+			}
+			assert.Equal(t, before, dump(), "the record is unchanged")
 
 			runs := 0
 			srv := httptest.NewServer(idemserver.Middleware(f.store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -226,6 +319,7 @@ func TestBadRecords(t *testing.T) {
 			resp.Body.Close()
 			assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
 			assert.Zero(t, runs)
+			assert.Equal(t, before, dump(), "the record is unchanged")
 		})
 	}
 }
