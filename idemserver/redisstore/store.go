@@ -150,13 +150,12 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 	if err := checkToken(token); err != nil {
 		return false, record{}, err
 	}
-	key := recordKey(s.prefix, c.Key)
-	value := appendInProgress(make([]byte, 0, offToken+len(token)), c.Fingerprint, c.LeaseExpires, token)
-	ttl := ttlMillis(c.LeaseExpires.Sub(c.Now) + LeaseMargin)
+	a := newClaimArgs(recordKey(s.prefix, c.Key), c, token)
+	key, value, ttl := a.key, a.value, a.ttl
 	if takeOver {
 		return s.replace(ctx, key, value, ttl, c.Now, token, expiredToken)
 	}
-	cmd := redis.NewStringCmd(ctx, "set", key, value, "nx", "get", "px", ttl)
+	cmd := redis.NewStringCmd(ctx, a.args[:]...)
 	err := s.client.Process(ctx, cmd)
 	var full error // Redis's refusal, when it is full
 	switch {
@@ -198,6 +197,28 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 	}
 	return false, rec, nil
 }
+
+// claimArgs holds the arguments of a claim's SET NX GET in one
+// allocation: the command's arguments point into it, rather than each
+// being boxed on its own.
+type claimArgs struct {
+	key   string
+	value []byte // the new record; in buf when its token is short
+	ttl   int64  // the native expiry, in milliseconds
+	args  [7]any
+	buf   [offToken + 48]byte
+}
+
+func newClaimArgs(key string, c idemserver.Claim, token string) *claimArgs {
+	a := &claimArgs{key: key, ttl: ttlMillis(c.LeaseExpires.Sub(c.Now) + LeaseMargin)}
+	a.value = appendInProgress(a.buf[:0], c.Fingerprint, c.LeaseExpires, token)
+	a.args = [...]any{"set", &a.key, a, "nx", "get", "px", &a.ttl}
+	return a
+}
+
+// MarshalBinary returns the new record, which go-redis sends as the value
+// of the SET.
+func (a *claimArgs) MarshalBinary() ([]byte, error) { return a.value, nil }
 
 // replace runs the takeover script: see takeOverScript.
 func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64, now time.Time, token, expiredToken string) (bool, record, error) {
