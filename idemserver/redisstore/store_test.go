@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"math"
+	"strconv"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -331,4 +332,125 @@ func TestEmptyToken(t *testing.T) {
 	keys, err := f.client.Keys(t.Context(), f.prefix+"*").Result()
 	require.NoError(t, err)
 	assert.Empty(t, keys, "nothing was written")
+}
+
+func TestJudgedByTheClaimsClock(t *testing.T) {
+	// Leases and expiry are judged by the middleware's clock, the Now of
+	// each claim, and not by Redis's: a takeover at a Now before the
+	// lease's end takes nothing, one at a Now after it takes the key, an
+	// hour before Redis would let the record expire.
+	f := newFixture(t)
+	ctx := t.Context()
+	holder := claim("k", "holder", time.Hour)
+	mustClaim(t, f.store, holder)
+
+	early := claim("k", "early", time.Minute)
+	early.Now = holder.LeaseExpires.Add(-time.Microsecond)
+	res, err := f.store.TakeOver(ctx, early, holder.Token)
+	require.NoError(t, err)
+	assert.False(t, res.Claimed, "the lease has not ended at the takeover's Now")
+	assert.Equal(t, holder.Token, res.Record.Token)
+	assert.WithinDuration(t, holder.LeaseExpires, res.Record.LeaseExpires, time.Microsecond)
+
+	late := claim("k", "late", time.Minute)
+	late.Now = holder.LeaseExpires
+	late.LeaseExpires = late.Now.Add(time.Minute)
+	res, err = f.store.TakeOver(ctx, late, holder.Token)
+	require.NoError(t, err)
+	assert.True(t, res.Claimed, "the lease has ended at the takeover's Now")
+	assert.ErrorIs(t, f.store.Complete(ctx, holder.Key, holder.Token, &idemserver.Response{Status: 200}, time.Now().Add(time.Hour)),
+		idemserver.ErrLeaseLost)
+}
+
+func TestHolderCompletesAfterItsLeaseEnded(t *testing.T) {
+	// A holder whose lease ended, and that no one took over, still
+	// extends and completes its claim: the record stays in Redis
+	// LeaseMargin past its lease's end. Otherwise a retry would run the
+	// handler a second time.
+	f := newFixture(t)
+	ctx := t.Context()
+	c := claim("k", "holder", time.Millisecond)
+	mustClaim(t, f.store, c)
+	waitLeaseEnded(t, f.store, c)
+	pttl, err := f.client.PTTL(ctx, f.redisKey()).Result()
+	require.NoError(t, err)
+	assert.Greater(t, pttl, redisstore.LeaseMargin-10*time.Second, "the ended lease stays visible")
+	require.NoError(t, f.store.Complete(ctx, c.Key, c.Token, &idemserver.Response{Status: http.StatusCreated}, time.Now().Add(time.Hour)))
+	res, err := f.store.Claim(ctx, claim("k", "retry", time.Minute))
+	require.NoError(t, err)
+	require.True(t, res.Record.Completed(), "the retry replays")
+}
+
+func TestPackedStore(t *testing.T) {
+	// ClaimPacked and CompletePacked store and return what Claim and
+	// Complete do, in the packed form; NewToken makes the token of a
+	// claim, called once.
+	f := newFixture(t)
+	ctx := t.Context()
+	var store idemserver.PackedStore = f.store
+	tokens := 0
+	newToken := func() string {
+		tokens++
+		return "made-" + strconv.Itoa(tokens)
+	}
+	c := claim("k", "", time.Minute)
+	res, err := store.ClaimPacked(ctx, idemserver.PackedClaim{Claim: c, NewToken: newToken})
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	assert.Equal(t, "made-1", res.Token)
+	assert.Equal(t, 1, tokens)
+
+	resp := &idemserver.Response{
+		Status: http.StatusCreated,
+		Header: http.Header{"Content-Type": {"application/json"}, "Link": {"</a>", "</b>"}},
+		Body:   []byte(`{"id":1}`),
+	}
+	expires := time.Now().Add(time.Hour)
+	require.NoError(t, store.CompletePacked(ctx, idemserver.PackedCompletion{
+		Key: c.Key, Token: res.Token, Response: idemserver.PackResponse(resp), Now: time.Now(), Expires: expires,
+	}))
+	v, err := f.client.Get(ctx, f.redisKey()).Bytes()
+	require.NoError(t, err)
+	stored, err := respcodec.Decode(v[44+len(res.Token):])
+	require.NoError(t, err, "the response in respcodec's encoding")
+	assert.Equal(t, resp, stored)
+
+	res, err = store.ClaimPacked(ctx, idemserver.PackedClaim{Claim: claim("k", "", time.Minute), NewToken: newToken})
+	require.NoError(t, err)
+	assert.False(t, res.Claimed)
+	assert.Nil(t, res.Record.Response)
+	assert.Equal(t, c.Fingerprint, res.Record.Fingerprint)
+	assert.WithinDuration(t, expires, res.Record.Expires, time.Microsecond)
+	require.False(t, res.Response.IsZero())
+	assert.Equal(t, resp, res.Response.Response())
+	plain, err := f.store.Claim(ctx, claim("k", "t", time.Minute))
+	require.NoError(t, err)
+	assert.Equal(t, resp, plain.Record.Response, "Claim reads what CompletePacked wrote")
+
+	// A takeover through ClaimPacked.
+	dead := claim("dead", "dead", time.Millisecond)
+	mustClaim(t, f.store, dead)
+	waitLeaseEnded(t, f.store, dead)
+	res, err = store.ClaimPacked(ctx, idemserver.PackedClaim{Claim: claim("dead", "", time.Minute), NewToken: newToken,
+		TakeOver: true, ExpiredToken: dead.Token})
+	require.NoError(t, err)
+	assert.True(t, res.Claimed)
+	assert.Equal(t, "made-"+strconv.Itoa(tokens), res.Token)
+	assert.ErrorIs(t, f.store.Release(ctx, dead.Key, dead.Token), idemserver.ErrLeaseLost)
+	require.NoError(t, f.store.Release(ctx, dead.Key, res.Token))
+}
+
+func TestLongToken(t *testing.T) {
+	// The layout holds a token of up to 65535 bytes; a longer one is
+	// refused before anything is written.
+	f := newFixture(t)
+	long := strings.Repeat("t", 1<<16)
+	_, err := f.store.Claim(t.Context(), claim("k", long, time.Minute))
+	require.Error(t, err)
+	keys, err := f.client.Keys(t.Context(), f.prefix+"*").Result()
+	require.NoError(t, err)
+	assert.Empty(t, keys)
+	c := claim("k", long[:1<<16-1], time.Minute)
+	mustClaim(t, f.store, c)
+	require.NoError(t, f.store.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 200}, time.Now().Add(time.Hour)))
 }
