@@ -95,22 +95,14 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 // clocks of two instances differ), takes a second: the takeover script
 // replaces it.
 func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
-	claimed, rec, err := s.claim(ctx, c, c.Token, false, "")
-	if err != nil || claimed {
-		return idemserver.ClaimResult{Claimed: claimed}, err
-	}
-	return rec.decoded()
+	return decoded(s.claim(ctx, c, c.Token, false, ""))
 }
 
 // TakeOver implements [idemserver.Store] in one round trip. It replaces
 // the record only while its lease has ended at c.Now, so a lease its
 // holder extended in the meantime is not taken.
 func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
-	claimed, rec, err := s.claim(ctx, c, c.Token, true, expiredToken)
-	if err != nil || claimed {
-		return idemserver.ClaimResult{Claimed: claimed}, err
-	}
-	return rec.decoded()
+	return decoded(s.claim(ctx, c, c.Token, true, expiredToken))
 }
 
 // ClaimPacked implements [idemserver.PackedStore]: it is Claim or
@@ -275,8 +267,12 @@ func (r record) found() idemserver.Record {
 	return rec
 }
 
-// decoded returns the ClaimResult of a claim that found r.
-func (r record) decoded() (idemserver.ClaimResult, error) {
+// decoded returns the ClaimResult of a claim that answered claimed, or
+// found r, or failed with err.
+func decoded(claimed bool, r record, err error) (idemserver.ClaimResult, error) {
+	if err != nil || claimed {
+		return idemserver.ClaimResult{Claimed: claimed}, err
+	}
 	res := idemserver.ClaimResult{Record: r.found()}
 	if r.completed {
 		resp, err := respcodec.Decode([]byte(r.response))
@@ -301,7 +297,8 @@ func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, 
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
 // the response translated from the packed form to the stored encoding
-// without becoming a Response.
+// without becoming a Response, and the native expiry reckoned from c.Now
+// (the store's clock when c.Now is zero).
 func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
 	if err := ctx.Err(); err != nil {
 		return err
