@@ -12,10 +12,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 	"github.com/idemhttp/idemhttp/idemserver/redisstore"
+	"github.com/idemhttp/idemhttp/internal/cputime"
 )
 
 // BenchmarkPaths measures the middleware over the Redis store, and over a
@@ -25,7 +27,9 @@ import (
 // replay reads (a completed record of the same handler's response), the
 // floor of any request that must ask Redis. C goroutines send the
 // requests. Besides ns/op it reports requests per second, the 99th
-// percentile latency and the round trips to Redis per request. Run it with
+// percentile latency, the round trips to Redis per request, and the CPU
+// time per request of the benchmark's process and of the Redis server (see
+// measure). Run it with
 //
 //	scripts/with-redis.sh go test -run '^$' -bench BenchmarkPaths -benchtime 2s -count 3 ./idemserver/redisstore/
 //
@@ -63,7 +67,7 @@ func BenchmarkPaths(b *testing.B) {
 				require.NoError(b, err)
 				require.Len(b, recs, 1)
 				key := recs[0]
-				measure(b, &rt, c, func(int) {
+				measure(b, &rt, client, c, func(int) {
 					if err := client.Get(b.Context(), key).Err(); err != nil {
 						b.Error(err)
 					}
@@ -98,7 +102,7 @@ func BenchmarkPaths(b *testing.B) {
 						}
 						keyOf = func(i int) benchKey { return keys.of(i % 10) }
 					}
-					measure(b, &rt, c, func(i int) { serveKey(b, h, keyOf(i)) })
+					measure(b, &rt, client, c, func(i int) { serveKey(b, h, keyOf(i)) })
 				})
 			}
 		}
@@ -201,7 +205,13 @@ func serveKey(b *testing.B, h http.Handler, key benchKey) {
 // second, the 99th percentile latency and the round trips rt counted per
 // call. Untimed calls first open the client's connections, so that the
 // count has no dialing in it; the timed calls get the indexes after theirs.
-func measure(b *testing.B, rt *counter, c int, do func(i int)) {
+//
+// It also reports the CPU time per call of this process (cpu-ns/op) and of
+// the Redis server that client reaches (redis-cpu-ns/op, from INFO cpu; on
+// loopback, the server's work for this benchmark alone). On a shared
+// machine these vary far less than wall time, and on an idle one with two
+// cores their sum is what bounds the requests per second at high C.
+func measure(b *testing.B, rt *counter, client *redis.Client, c int, do func(i int)) {
 	warm := 4 * c
 	lat := make([][]time.Duration, c)
 	run := func(from, to int, timed bool) {
@@ -226,13 +236,35 @@ func measure(b *testing.B, rt *counter, c int, do func(i int)) {
 		wg.Wait()
 	}
 	run(0, warm, false)
+	server := serverCPU(b, client)
 	rt.take()
+	cpu := cputime.Start()
 	b.ResetTimer()
 	run(warm, warm+b.N, true)
 	b.StopTimer()
+	cpu.Report(b, b.N)
+	rts := rt.take()
+	b.ReportMetric(float64((serverCPU(b, client)-server).Nanoseconds())/float64(b.N), "redis-cpu-ns/op")
 	all := slices.Concat(lat...)
 	slices.Sort(all)
 	b.ReportMetric(float64(all[len(all)*99/100].Microseconds()), "p99-µs")
-	b.ReportMetric(float64(rt.take())/float64(b.N), "rt/op")
+	b.ReportMetric(float64(rts)/float64(b.N), "rt/op")
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
+}
+
+// serverCPU returns the CPU time the Redis server has used, user and
+// system, from INFO cpu.
+func serverCPU(b *testing.B, client *redis.Client) time.Duration {
+	info, err := client.Info(b.Context(), "cpu").Result()
+	require.NoError(b, err)
+	var total time.Duration
+	for line := range strings.Lines(info) {
+		name, value, ok := strings.Cut(strings.TrimSpace(line), ":")
+		if ok && (name == "used_cpu_sys" || name == "used_cpu_user") {
+			secs, err := strconv.ParseFloat(value, 64)
+			require.NoError(b, err, line)
+			total += time.Duration(secs * float64(time.Second))
+		}
+	}
+	return total
 }
