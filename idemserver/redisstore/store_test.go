@@ -196,9 +196,10 @@ func waitLeaseEnded(t *testing.T, s idemserver.Store, c idemserver.Claim) {
 }
 
 func TestClock(t *testing.T) {
-	// Complete and Extend turn the middleware's times into durations with
-	// the clock the store is given, so a middleware clock far from the real
-	// one keeps records for the TTL it meant.
+	// Records hold the middleware's instants, and Complete and Extend turn
+	// them into Redis's native expiry (a duration) with the clock the store
+	// is given, so a middleware clock far from the real one keeps records
+	// for the TTL it meant, and its claims judge them by its own time.
 	past := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
 	f := newFixture(t, redisstore.WithClock(func() time.Time { return past }))
 	ctx := t.Context()
