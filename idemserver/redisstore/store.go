@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 
@@ -202,7 +203,7 @@ type claimArgs struct {
 }
 
 func newClaimArgs(key string, c idemserver.Claim, token string) *claimArgs {
-	a := &claimArgs{key: key, ttl: ttlMillis(c.LeaseExpires.Sub(c.Now) + LeaseMargin)}
+	a := &claimArgs{key: key, ttl: ttlMillis(withMargin(c.LeaseExpires.Sub(c.Now)))}
 	a.value = appendInProgress(a.buf[:0], c.Fingerprint, c.LeaseExpires, token)
 	a.args = [...]any{"set", &a.key, a, "nx", "get", "px", &a.ttl}
 	return a
@@ -338,7 +339,7 @@ func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, le
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	ttl := ttlMillis(leaseExpires.Sub(s.now()) + LeaseMargin)
+	ttl := ttlMillis(withMargin(leaseExpires.Sub(s.now())))
 	return s.tokenOp(ctx, s.extend, "extend", key, token, appendTime(nil, leaseExpires), ttl)
 }
 
@@ -360,6 +361,16 @@ func (s *Store) tokenOp(ctx context.Context, script *redis.Script, op string, ke
 		return fmt.Errorf("%w to %s: %d", ErrUnexpectedReply, op, n)
 	}
 	return nil
+}
+
+// withMargin returns how long an in-progress record whose lease lasts d
+// lives in Redis: d plus LeaseMargin, saturated rather than overflowing
+// for a lease too long to add to.
+func withMargin(d time.Duration) time.Duration {
+	if d > math.MaxInt64-LeaseMargin {
+		return math.MaxInt64
+	}
+	return d + LeaseMargin
 }
 
 // ttlMillis returns d in whole milliseconds, rounded up, and at least 1:

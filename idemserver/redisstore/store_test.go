@@ -138,6 +138,22 @@ func TestTimesClamped(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, res.Record.Completed())
 	assert.Equal(t, int64(1<<53-1), res.Record.Expires.UnixMicro(), "the latest time the record holds")
+
+	// So with a lease without end: the margin added to it does not wrap
+	// round to a native expiry of a millisecond.
+	for _, name := range []string{"claimed", "extended"} {
+		c := claim(name, "t", time.Minute)
+		if name == "claimed" {
+			c.LeaseExpires = c.Now.Add(math.MaxInt64)
+		}
+		mustClaim(t, f.store, c)
+		if name == "extended" {
+			require.NoError(t, f.store.Extend(ctx, c.Key, c.Token, forever))
+		}
+		pttl, err := f.client.PTTL(ctx, f.prefix+"{:"+name+"}").Result()
+		require.NoError(t, err)
+		assert.Greater(t, pttl, 200*365*24*time.Hour, "%s: kept for centuries", name)
+	}
 }
 
 func TestClaimSentAgain(t *testing.T) {
