@@ -26,6 +26,11 @@ import (
 //
 // The fields carry their own length, rather than a count, so that the
 // recorder can append Content-Length once the body is known.
+//
+// internal/respcodec translates between this form and its own without a
+// Response in between (its fields are written alike); its tests check the
+// translations against PackResponse and Response, so a change here shows
+// there.
 type packedParts struct {
 	status  int
 	omitted bool

@@ -7,51 +7,85 @@
 //
 // # The model
 //
-// A record is one Redis hash under one key, prefix "{scope:key}" (see
+// A record is one Redis string under one key, prefix "{scope:key}" (see
 // [WithPrefix]), with ':', '%', '{' and '}' escaped inside the braces so
 // that no two (scope, key) pairs share a Redis key. The braces make the
 // pair the key's hash tag, and a record never spans two keys, so the store
-// works unchanged on Redis Cluster (pass a *redis.ClusterClient).
+// works unchanged on Redis Cluster (pass a *redis.ClusterClient). The
+// string holds a small versioned layout: its state (in progress or
+// completed), the request's fingerprint, the end of the lease or the
+// record's expiry, the lease token, and once completed the response, in
+// the versioned encoding the module's other shared stores use. A record of
+// a layout version this release does not know, written by a later one, is
+// neither replayed nor replaced: the store returns an error wrapping
+// [ErrUnknownVersion], and the middleware answers 503 without running the
+// handler. So does a key that holds anything else (a hash, say).
 //
-// Each method of the store is one round trip: a Lua script, run by its SHA1
-// (EVALSHA). The first call of a script on a server, and the first after
-// the server restarted or its script cache was flushed (SCRIPT FLUSH),
-// costs one more: Redis answers NOSCRIPT and the store sends the script
-// itself (EVAL), which loads it again. A claim answers every outcome at
-// once: claimed, in progress (with the lease's token and end) or completed
-// (with the stored response, in the versioned encoding the module's other
-// shared stores use). Complete, Release, Extend and TakeOver compare the
-// lease token inside their script, and TakeOver replaces a record only
-// while its lease has ended, so a lease its holder just extended is not
-// taken.
+// Each method of the store is one round trip. A claim is one native
+// command, SET with NX and GET (Redis 7.0 or later): it inserts an
+// in-progress record unless one is there, and answers the record that was,
+// so that a replay costs Redis about what a GET does and writes nothing.
+// Complete, Release, Extend and TakeOver are Lua scripts, run by their
+// SHA1 (EVALSHA), that compare the lease token inside the script, and
+// TakeOver replaces a record only while its lease has ended, so a lease its
+// holder just extended is not taken. The first call of a script on a
+// server, and the first after the server restarted or its script cache was
+// flushed (SCRIPT FLUSH), costs one more round trip: Redis answers NOSCRIPT
+// and the store sends the script itself (EVAL), which loads it again. A
+// claim and a replay need no script.
 //
-// # One clock: the Redis server's
+// Two rarer claims take a second round trip. A claim that finds a
+// completed record expired by the middleware's clock but still in Redis
+// (where the clocks of two instances differ) replaces it with the takeover
+// script, as the Store contract treats an expired record as absent. And a
+// Redis full under maxmemory-policy noeviction refuses SET even when NX
+// would write nothing: the claim then reads the record with a GET, and a
+// completed key still replays (see below).
 //
-// Leases and expiry are judged by the clock of the Redis server, read with
-// TIME inside each script, and by no other. The store sends durations, not
-// instants: a claim's lease lasts Claim.LeaseExpires minus Claim.Now, and
-// the expiry given to Complete (or the lease end given to Extend) lies as
-// far in the future as it does on the store's clock, the middleware's (see
-// [WithClock]). The times a claim reports are the claim's Now plus what the
-// server says is left, so the middleware, comparing them with Now, agrees
-// with the server about which leases have ended. Instances with skewed
-// clocks therefore agree too. Redis 5 or later is needed, for scripts that
-// read TIME and then write.
+// The store implements [idemserver.PackedStore], so a replay goes from the
+// bytes Redis returns to the client without becoming an
+// [idemserver.Response] in between.
 //
-// Expiry is Redis's own: an in-progress record expires in Redis
-// [LeaseMargin] after its lease ends (until then it reports the ended lease,
-// which the middleware takes over), and a completed one when its TTL ends.
-// Nothing needs sweeping.
+// # One clock: the middleware's
+//
+// Leases and expiry are judged by the middleware's clock, and by no other.
+// A record holds the end of its lease, or its expiry, as an instant of
+// that clock (the claim's LeaseExpires, the expiry given to Complete, the
+// lease end given to Extend). A claim reports those instants, and the
+// middleware compares them with the claim's Now; TakeOver's script
+// compares the lease's end with the takeover's Now, sent along. The Redis
+// server's clock judges nothing: SET NX GET cannot read it.
+//
+// Redis's native expiry is only garbage collection, given as a duration
+// reckoned on the store's clock ([WithClock], which must be the
+// middleware's): an in-progress record expires in Redis [LeaseMargin] after
+// its lease ends (until then it shows the ended lease, which the middleware
+// takes over, and which its holder may still extend or complete if no one
+// took it over), and a completed one when its TTL ends. Nothing needs
+// sweeping.
+//
+// Several instances share the records, and so compare their own clocks
+// with instants another instance wrote. Keep their clocks synchronized
+// (NTP): an instance whose clock is ahead by d sees every lease end d
+// early, and the middleware renews a lease a third of a lease after each
+// renewal, so d must stay well below two thirds of the lease (see
+// [idemserver.WithLease]) or a live handler may be taken over and run
+// twice; it also sees completed records expire d early, and runs a retry
+// that comes within d of a record's end again. An instance whose clock is
+// behind by d waits d longer to take over a crashed handler's key, and
+// replays completed records until Redis lets them expire, on time.
 //
 // go-redis sends a command again when a connection fails before its reply
 // arrives. A claim or takeover that Redis ran, sent again, finds its own
-// lease token and still reports the claim, with the lease started again
-// (the first may have ended while the reply was lost); a completion sent again finds
-// the record completed under its token (the record keeps it) with its
-// response, and still reports success. A release sent again finds nothing of its own and
-// reports [idemserver.ErrLeaseLost] to the middleware's observer, but
-// changes nothing: the key is free, or claimed by another request, whose
-// record it leaves alone.
+// lease token and still reports the claim, with the lease it asked for:
+// the middleware computed that lease's end before it first sent the claim,
+// so its own reckoning is never later than the record's, and it does not
+// run the handler when the answer comes after the lease ended. A
+// completion sent again finds the record completed under its token (the
+// record keeps it) with its response, and still reports success. A release
+// sent again finds nothing of its own and reports [idemserver.ErrLeaseLost]
+// to the middleware's observer, but changes nothing: the key is free, or
+// claimed by another request, whose record it leaves alone.
 //
 // # What Redis does not give
 //
@@ -82,7 +116,10 @@
 //     and allkeys-* policies would evict live records in silence; with
 //     noeviction a full Redis refuses new claims, and the middleware
 //     answers 503, while the claims it holds are still extended and
-//     completed (a little past maxmemory), and completed keys replay;
+//     completed (a little past maxmemory: their scripts write PEXPIRE
+//     first, which Redis lets through, and then every later write), and
+//     completed keys replay (Redis refuses the claim's SET, and the store
+//     reads the record with a GET: two round trips while Redis is full);
 //   - replication is asynchronous: a failover to a replica can lose the last
 //     writes the primary acknowledged.
 //

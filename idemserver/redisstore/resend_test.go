@@ -3,6 +3,7 @@ package redisstore_test
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -20,9 +21,10 @@ import (
 )
 
 // replyDropper is a TCP proxy in front of a Redis server that, when armed,
-// lets the next script call reach Redis, drops Redis's reply and closes the
-// connection, as a network failure after the command ran would: go-redis
-// then sends the command again on a new connection.
+// lets the next call of a command (SET, for a claim, or EVALSHA, for a
+// script) reach Redis, drops Redis's reply and closes the connection, as a
+// network failure after the command ran would: go-redis then sends the
+// command again on a new connection.
 type replyDropper struct {
 	t        *testing.T
 	upstream string
@@ -30,7 +32,7 @@ type replyDropper struct {
 	wg       sync.WaitGroup
 
 	mu      sync.Mutex
-	armed   bool
+	armed   []byte // the armed command's name as go-redis sends it; nil when not armed
 	onDrop  func() // runs before the client sees its connection closed
 	dropped int
 	conns   []net.Conn
@@ -47,12 +49,14 @@ func newReplyDropper(t *testing.T, upstream string) *replyDropper {
 
 func (p *replyDropper) addr() string { return p.l.Addr().String() }
 
-// arm makes the proxy drop the reply to the next script call, running
-// onDrop (if not nil) before it closes the connection.
-func (p *replyDropper) arm(onDrop func()) {
+// arm makes the proxy drop the reply to the next call of cmd ("set" or
+// "evalsha"), running onDrop (if not nil) before it closes the connection.
+func (p *replyDropper) arm(cmd string, onDrop func()) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.armed, p.onDrop = true, onDrop
+	// go-redis sends the name, lower case, as the first bulk string.
+	p.onDrop = onDrop
+	p.armed = fmt.Appendf(nil, "$%d\r\n%s\r\n", len(cmd), cmd)
 }
 
 // drops returns how many replies the proxy dropped.
@@ -87,7 +91,7 @@ func (p *replyDropper) accept() {
 		p.conns = append(p.conns, client, server)
 		p.mu.Unlock()
 		// dropNext is set by the request side when an armed proxy passes
-		// a script call, and read by the reply side.
+		// the command it is armed for, and read by the reply side.
 		dropNext := make(chan struct{}, 1)
 		p.wg.Go(func() {
 			defer server.Close()
@@ -96,8 +100,8 @@ func (p *replyDropper) accept() {
 				n, err := client.Read(buf)
 				if n > 0 {
 					p.mu.Lock()
-					if p.armed && bytes.Contains(bytes.ToLower(buf[:n]), []byte("evalsha")) {
-						p.armed = false
+					if p.armed != nil && bytes.Contains(buf[:n], p.armed) {
+						p.armed = nil
 						dropNext <- struct{}{}
 					}
 					p.mu.Unlock()
@@ -156,8 +160,8 @@ func newResendFixture(t *testing.T) (store *redisstore.Store, direct *redisstore
 	t.Cleanup(func() { _ = proxied.Close() })
 	store = redisstore.New(proxied, redisstore.WithPrefix(prefix))
 	direct = redisstore.New(c, redisstore.WithPrefix(prefix))
-	// Redis has every script, so that the dropped reply is the script's
-	// own and not a NOSCRIPT.
+	// Redis has every script, so that a dropped reply is the script's own
+	// and not a NOSCRIPT.
 	warm(t, store)
 	return store, direct, p, c
 }
@@ -177,7 +181,7 @@ func TestCommandSentAgain(t *testing.T) {
 	t.Run("Claim", func(t *testing.T) {
 		store, direct, p, _ := newResendFixture(t)
 		c := claim("k", "winner", time.Minute)
-		p.arm(nil)
+		p.arm("set", nil)
 		res, err := store.Claim(t.Context(), c)
 		require.NoError(t, err)
 		require.Equal(t, 1, p.drops(), "the reply was dropped")
@@ -190,28 +194,33 @@ func TestCommandSentAgain(t *testing.T) {
 	t.Run("Claim, sent again after its lease ended", func(t *testing.T) {
 		// Redis ran the claim, but its reply was lost and the claim was
 		// sent again only once the lease had ended (after a read timeout,
-		// with a short lease). The claim that wins must hold a live lease:
-		// otherwise another request takes the key over while its handler
-		// runs, and both execute.
+		// with a short lease). The claim sent again finds its own token and
+		// wins, with the lease it asked for, which has ended: the store
+		// does not start it again, so the middleware, which compares the
+		// lease's end with its clock, does not run the handler (see
+		// TestClaimSentAgainAfterLeaseEndedThroughMiddleware), and a
+		// takeover may take the key.
 		store, direct, p, _ := newResendFixture(t)
 		c := claim("k", "winner", 50*time.Millisecond)
-		p.arm(func() { waitLeaseEnded(t, direct, c) })
+		p.arm("set", func() { waitLeaseEnded(t, direct, c) })
 		res, err := store.Claim(t.Context(), c)
 		require.NoError(t, err)
 		require.Equal(t, 1, p.drops())
-		if !res.Claimed {
-			return // a refusal is safe
-		}
-		res, err = direct.TakeOver(t.Context(), claim("k", "taker", time.Minute), c.Token)
+		require.True(t, res.Claimed, "the claim sent again finds its own token")
+		assert.False(t, time.Now().Before(c.LeaseExpires), "its lease has ended")
+		probe := claim("k", "probe", time.Minute)
+		res, err = direct.Claim(t.Context(), probe)
 		require.NoError(t, err)
-		assert.False(t, res.Claimed, "took over the lease of a claim that just won")
+		assert.Equal(t, c.Token, res.Record.Token)
+		assert.WithinDuration(t, c.LeaseExpires, res.Record.LeaseExpires, time.Microsecond, "the lease the claim asked for")
+		assert.False(t, probe.Now.Before(res.Record.LeaseExpires), "ended")
 	})
 	t.Run("TakeOver", func(t *testing.T) {
 		store, direct, p, _ := newResendFixture(t)
 		old := claim("k", "old", time.Millisecond)
 		mustClaim(t, direct, old)
 		waitLeaseEnded(t, direct, old)
-		p.arm(nil)
+		p.arm("evalsha", nil)
 		res, err := store.TakeOver(t.Context(), claim("k", "taker", time.Minute), "old")
 		require.NoError(t, err)
 		require.Equal(t, 1, p.drops())
@@ -221,7 +230,7 @@ func TestCommandSentAgain(t *testing.T) {
 		store, direct, p, _ := newResendFixture(t)
 		c := claim("k", "holder", time.Minute)
 		mustClaim(t, direct, c)
-		p.arm(nil)
+		p.arm("evalsha", nil)
 		err := store.Complete(t.Context(), c.Key, c.Token, ok, time.Now().Add(time.Hour))
 		require.Equal(t, 1, p.drops())
 		assert.NoError(t, err, "the response was stored, by this very lease")
@@ -240,7 +249,7 @@ func TestCommandSentAgain(t *testing.T) {
 		res, err := direct.TakeOver(t.Context(), claim("k", "taker", time.Minute), c.Token)
 		require.NoError(t, err)
 		require.True(t, res.Claimed)
-		p.arm(nil)
+		p.arm("evalsha", nil)
 		err = store.Complete(t.Context(), c.Key, c.Token, ok, time.Now().Add(time.Hour))
 		require.Equal(t, 1, p.drops())
 		assert.ErrorIs(t, err, idemserver.ErrLeaseLost)
@@ -254,7 +263,7 @@ func TestCommandSentAgain(t *testing.T) {
 		store, direct, p, _ := newResendFixture(t)
 		c := claim("k", "first", time.Minute)
 		mustClaim(t, direct, c)
-		p.arm(func() {
+		p.arm("evalsha", func() {
 			res, err := direct.Claim(t.Context(), claim("k", "second", time.Minute))
 			assert.NoError(t, err)
 			assert.True(t, res.Claimed, "the released key is free")
@@ -275,7 +284,7 @@ func TestCommandSentAgain(t *testing.T) {
 		store, direct, p, c := newResendFixture(t)
 		cl := claim("k", "holder", time.Minute)
 		mustClaim(t, direct, cl)
-		p.arm(nil)
+		p.arm("evalsha", nil)
 		require.NoError(t, store.Extend(t.Context(), cl.Key, cl.Token, time.Now().Add(time.Hour)))
 		require.Equal(t, 1, p.drops())
 		keys, err := c.Keys(t.Context(), "*{:k}").Result()
@@ -297,7 +306,7 @@ func TestCompletionSentAgainThroughMiddleware(t *testing.T) {
 	srv := httptest.NewServer(idemserver.Middleware(store, idemserver.WithObserver(seen.add))(http.HandlerFunc(
 		func(w http.ResponseWriter, r *http.Request) {
 			run := runs.add("k")
-			p.arm(nil) // the next script call is the completion
+			p.arm("evalsha", nil) // the next script call is the completion
 			created(int64(run), w)
 		})))
 	defer srv.Close()
@@ -314,5 +323,46 @@ func TestCompletionSentAgainThroughMiddleware(t *testing.T) {
 	assert.Equal(t, "true", retry.header.Get(idemserver.ReplayedHeader))
 	assert.Equal(t, http.StatusCreated, retry.status)
 	assert.Equal(t, first.body, retry.body)
+	assert.Equal(t, 1, runs.get("k"))
+}
+
+func TestClaimSentAgainAfterLeaseEndedThroughMiddleware(t *testing.T) {
+	// The reply to a claim is lost, and go-redis sends the claim again
+	// only after the lease it asked for has ended. The claim wins, but the
+	// middleware sees its lease over and does not run the handler: another
+	// request could take the key over as it starts. The key is released,
+	// and the retry runs the handler once.
+	const lease = 50 * time.Millisecond
+	store, direct, p, _ := newResendFixture(t)
+	var runs runCounter
+	srv := httptest.NewServer(idemserver.Middleware(store, idemserver.WithLease(lease))(http.HandlerFunc(
+		func(w http.ResponseWriter, r *http.Request) { created(int64(runs.add("k")), w) })))
+	defer srv.Close()
+
+	p.arm("set", func() {
+		// Until a claim finds the record's lease ended.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			probe := claim("k", "probe", time.Minute)
+			res, err := direct.Claim(t.Context(), probe)
+			if !assert.NoError(t, err) || !assert.False(t, res.Claimed) {
+				return
+			}
+			if !probe.Now.Before(res.Record.LeaseExpires) {
+				return
+			}
+			if !assert.True(t, time.Now().Before(deadline), "lease not ended") {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	})
+	first := mustPost(t, srv, "k", "b")
+	require.Equal(t, 1, p.drops())
+	assert.Equal(t, http.StatusServiceUnavailable, first.status, "%s", first.body)
+	assert.Zero(t, runs.get("k"), "no handler runs on a lease that ended")
+
+	retry := mustPost(t, srv, "k", "b")
+	assert.Equal(t, http.StatusCreated, retry.status)
 	assert.Equal(t, 1, runs.get("k"))
 }

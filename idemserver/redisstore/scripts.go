@@ -1,127 +1,128 @@
 package redisstore
 
-// The scripts keep a record in one hash under KEYS[1], with the fields
+// A claim is no script: it is SET KEYS[1] value NX GET PX ms, which inserts
+// an in-progress record unless one is there, and answers what was there
+// (see Store.Claim). The rarer operations are scripts, each one round trip,
+// that read the record (one string, laid out as record.go says) with
+// string.sub and change it only while it holds the caller's lease token, or
+// for a takeover, while the lease it names has ended.
 //
-//	f  fingerprint, 32 bytes
-//	t  lease token; only while in progress
-//	l  end of the lease, in microseconds of the Redis server's clock;
-//	   only while in progress
-//	r  the response, in respcodec's encoding; only once completed
-//	e  expiry of the completed record, in microseconds of the server's clock
-//	c  the lease token that completed the record, so that the completion,
-//	   sent again when its reply was lost, is told it succeeded
-//
-// Every instant is read from TIME inside the script, so the server's clock
-// is the only one that judges leases and expiry; the client sends durations
-// and gets durations back. The hash expires natively: an in-progress record
-// at the end of its lease plus a margin (ARGV, in microseconds), so that an
-// expired lease stays visible to be taken over or extended, and a completed
-// one at its own expiry.
+// Clocks: the scripts read no clock. The times in a record, and the "now"
+// a takeover compares them with, are the middleware's (see the package
+// documentation); the native expiry (PEXPIRE, SET PX) is a duration the
+// store computes, and serves only to collect records no one needs any
+// more: an in-progress record lives its lease plus LeaseMargin, so that an
+// ended lease stays visible, to be taken over, or extended or completed by
+// its holder if no one took it over; a completed one lives its TTL.
 //
 // A Redis at its maxmemory under the noeviction policy refuses a script's
-// first write if that write may use more memory (HSET, not DEL, HDEL or
-// PEXPIRE), and lets every later write of the script through. So the order
-// of the writes decides what a full Redis refuses: a new claim writes HSET
-// first, and fails, so that Redis does not grow past its bound; an
-// extension, a completion and a claim sent again, which keep a claim that
-// was already granted, write PEXPIRE or HDEL first, and succeed, so that a
-// live handler does not lose its key because Redis is full.
+// first write if that write may use more memory (SET, SETRANGE, APPEND),
+// and lets every later write of the script through. So each script that
+// keeps a claim already granted writes PEXPIRE first, which takes no
+// memory: a live handler's extension and completion succeed in a full
+// Redis, which grows a little past maxmemory for them. A takeover writes a
+// new record with SET first, and a full Redis refuses it, as it refuses
+// the SET of a new claim.
 //
-// Numbers are passed to redis.call through string.format('%.0f'), since
-// Lua's own conversion of a double loses digits of a 16-digit timestamp.
+// Each script answers -1 for a record it cannot read (another layout
+// version, or not written by this store), and leaves it alone.
 const scriptPrelude = `
-local function int(x) return string.format('%.0f', x) end
-local function now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+local v = redis.call('GET', KEYS[1])
+local state, tok, rest
+-- readable reports whether v is a record of layout version 1, and sets
+-- state, tok (the token) and rest (what follows the token).
+local function readable()
+  if string.byte(v, 1) ~= 1 or #v < 44 then return false end
+  state = string.sub(v, 2, 2)
+  local n = string.byte(v, 43) * 256 + string.byte(v, 44)
+  if #v < 44 + n then return false end
+  tok = string.sub(v, 45, 44 + n)
+  rest = string.sub(v, 45 + n)
+  if state == 'p' then return rest == '' end
+  return state == 'c' and rest ~= ''
 end
--- pexpire lets the record at KEYS[1] live us microseconds more, at least 1 ms.
-local function pexpire(us)
-  local ms = math.ceil(us / 1000)
-  if ms < 1 then ms = 1 end
-  redis.call('PEXPIRE', KEYS[1], int(ms))
+-- at returns the record's time, in microseconds.
+local function at()
+  local t = 0
+  for i = 35, 42 do t = t * 256 + string.byte(v, i) end
+  return t
 end
 `
 
-// claimScript claims KEYS[1] or reports the record there.
+// takeOverScript replaces the record of KEYS[1] with the in-progress record
+// ARGV[1], to expire natively in ARGV[2] ms, when the key is absent, or its
+// record is completed and has expired at ARGV[3] (µs, the middleware's
+// clock), or is in progress under the token ARGV[4] with a lease ended at
+// ARGV[3]. ARGV[5] is the new record's token. It serves TakeOver, and a
+// Claim that found a completed record expired (ARGV[4] is then empty, and
+// no in-progress record is taken).
 //
-// ARGV: fingerprint, token, lease duration (µs), margin (µs), and for a
-// takeover the expired token (absent for a claim).
+// Reply: 1 when the record is the caller's; otherwise the record that
+// stays, or -1 for one it cannot read.
 //
-// Reply: {1} claimed; {2, fingerprint, response, µs until expiry} completed;
-// {3, fingerprint, token, µs until the lease ends (≤ 0: ended)} in progress.
-//
-// A record in progress that already holds the claim's own token answers
-// {1}: the claim was sent again (the client retries a command whose reply
-// was lost) after it had won, and tokens are unique to one claim. Its lease
-// starts again then, as if the claim had first run now: its holder has not
-// started, and the first lease may have ended while the reply was lost, so
-// that another request could take the key over as the holder starts.
-const claimScript = scriptPrelude + `
-local t = now()
-local rec = redis.call('HMGET', KEYS[1], 'f', 't', 'l', 'r', 'e')
-local fp, tok, lease, resp, exp = rec[1], rec[2], rec[3], rec[4], rec[5]
-if fp then
-  if resp then
-    local left = tonumber(exp) - t
-    if left > 0 then return {2, fp, resp, left} end
-  elseif tok == ARGV[2] then
-    local l = t + tonumber(ARGV[3])
-    pexpire(l - t + tonumber(ARGV[4]))
-    redis.call('HSET', KEYS[1], 'l', int(l))
-    return {1}
-  else
-    local left = tonumber(lease) - t
-    if not (ARGV[5] and tok == ARGV[5] and left <= 0) then
-      return {3, fp, tok, left}
-    end
+// A record in progress under ARGV[5] answers 1: the takeover was sent
+// again (go-redis resends a command whose reply was lost) after it had
+// won, and tokens are unique to one claim.
+const takeOverScript = scriptPrelude + `
+if v then
+  if not readable() then return -1 end
+  if state == 'p' then
+    if tok == ARGV[5] then return 1 end
+    if tok ~= ARGV[4] or ARGV[4] == '' or at() > tonumber(ARGV[3]) then return v end
+  elseif at() > tonumber(ARGV[3]) then
+    return v
   end
 end
-local l = t + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'f', ARGV[1], 't', ARGV[2], 'l', int(l))
-redis.call('HDEL', KEYS[1], 'r', 'e', 'c')
-pexpire(l - t + tonumber(ARGV[4]))
-return {1}
-`
-
-// completeScript stores the response ARGV[2] in the record of KEYS[1], to
-// be kept ARGV[3] µs, if it holds the token ARGV[1]. Reply: 1, or 0 when
-// the token is not there. A record that token completed with that very
-// response answers 1 too: the completion was sent again after its reply
-// was lost. Any other completion of it answers 0.
-const completeScript = scriptPrelude + `
-local cur = redis.call('HMGET', KEYS[1], 't', 'c')
-if cur[1] ~= ARGV[1] then
-  if cur[2] == ARGV[1] and redis.call('HGET', KEYS[1], 'r') == ARGV[2] then return 1 end
-  return 0
-end
-local ttl = tonumber(ARGV[3])
-if ttl <= 0 then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-redis.call('HDEL', KEYS[1], 't', 'l')
-redis.call('HSET', KEYS[1], 'r', ARGV[2], 'e', int(now() + ttl), 'c', ARGV[1])
-pexpire(ttl)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 `
 
-// releaseScript deletes the record of KEYS[1] if it holds the token
-// ARGV[1]. Reply: 1, or 0 when the token is not there.
-const releaseScript = `
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+// completeScript completes the record of KEYS[1], if it is in progress
+// under the token ARGV[1]: its time becomes the expiry ARGV[2] (8 bytes),
+// the response ARGV[3] (respcodec's encoding) is appended, and it expires
+// natively in ARGV[4] ms; 0 ms deletes it instead. Reply: 1, 0 when the
+// token is not there, -1 for a record it cannot read. A record that token
+// completed with that very response answers 1 too: the completion was sent
+// again after its reply was lost. Any other completion of it answers 0.
+const completeScript = scriptPrelude + `
+if not v then return 0 end
+if not readable() then return -1 end
+if tok ~= ARGV[1] then return 0 end
+if state == 'c' then
+  if rest == ARGV[3] then return 1 end
+  return 0
+end
+if ARGV[4] == '0' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SETRANGE', KEYS[1], 1, 'c')
+redis.call('SETRANGE', KEYS[1], 34, ARGV[2])
+redis.call('APPEND', KEYS[1], ARGV[3])
+return 1
+`
+
+// releaseScript deletes the record of KEYS[1] if it is in progress under
+// the token ARGV[1]. Reply: 1, 0 when the token is not there, -1 for a
+// record it cannot read.
+const releaseScript = scriptPrelude + `
+if not v then return 0 end
+if not readable() then return -1 end
+if state ~= 'p' or tok ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 `
 
-// extendScript moves the lease of KEYS[1] to end ARGV[2] µs from now, if
-// the record holds the token ARGV[1], and its native expiry to the margin
-// ARGV[3] µs after that. Reply: 1, or 0 when the token is not there.
+// extendScript moves the lease of KEYS[1] to end at ARGV[2] (8 bytes), if
+// the record is in progress under the token ARGV[1], and its native expiry
+// to ARGV[3] ms from now. Reply: 1, 0 when the token is not there, -1 for
+// a record it cannot read.
 const extendScript = scriptPrelude + `
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
-local t = now()
-local l = t + tonumber(ARGV[2])
-pexpire(l - t + tonumber(ARGV[3]))
-redis.call('HSET', KEYS[1], 'l', int(l))
+if not v then return 0 end
+if not readable() then return -1 end
+if state ~= 'p' or tok ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SETRANGE', KEYS[1], 34, ARGV[2])
 return 1
 `

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -19,20 +21,30 @@ const DefaultPrefix = "idem:"
 // LeaseMargin is how long an in-progress record outlives the end of its
 // lease in Redis before it expires there. Until then the record shows the
 // ended lease, which the middleware takes over and its holder may still
-// extend; after it, the key is simply absent.
+// extend or complete; after it, the key is simply absent.
 const LeaseMargin = time.Minute
 
-// ErrUnexpectedReply means Redis answered a script with something the
-// store did not write, such as a record that another program changed.
-var ErrUnexpectedReply = errors.New("redisstore: unexpected reply")
+// Errors of the store. Use errors.Is to test for them.
+var (
+	// ErrUnexpectedReply means Redis answered with something the store did
+	// not write, such as a record that another program changed.
+	ErrUnexpectedReply = errors.New("redisstore: unexpected reply")
+	// ErrUnknownVersion means a record has a layout version that this
+	// release cannot read: a later release wrote it. The store neither
+	// replays nor replaces it, and the middleware answers 503.
+	ErrUnknownVersion = errors.New("redisstore: record of an unknown layout version")
+)
 
 // Store is an [idemserver.Store] that keeps records in Redis. See the
 // package documentation for the model; a Store is safe for concurrent use.
+//
+// Store implements [idemserver.PackedStore]: a replay goes from the bytes
+// Redis returns to the client without becoming an [idemserver.Response].
 type Store struct {
-	client                           redis.UniversalClient
-	prefix                           string
-	now                              func() time.Time
-	claim, complete, release, extend *redis.Script
+	client                              redis.UniversalClient
+	prefix                              string
+	now                                 func() time.Time
+	takeOver, complete, release, extend *redis.Script
 }
 
 // An Option configures a [Store].
@@ -47,9 +59,9 @@ func WithPrefix(p string) Option {
 }
 
 // WithClock sets the clock the store reads to turn the times that
-// Complete and Extend are given into durations: it must be the
-// middleware's (see [idemserver.WithClock]). Nil means time.Now, the
-// middleware's default.
+// Complete and Extend are given into Redis's native expiry (a duration):
+// it must be the middleware's (see [idemserver.WithClock]). Nil means
+// time.Now, the middleware's default.
 func WithClock(now func() time.Time) Option {
 	return func(s *Store) {
 		if now == nil {
@@ -61,14 +73,14 @@ func WithClock(now func() time.Time) Option {
 
 // New returns a store that keeps its records in the Redis that client
 // reaches: a single server, a Sentinel-managed one or a Cluster, but not a
-// Ring (see the package documentation). The store does not close the
-// client.
+// Ring (see the package documentation), of Redis 7.0 or later. The store
+// does not close the client.
 func New(client redis.UniversalClient, opts ...Option) *Store {
 	s := &Store{
 		client:   client,
 		prefix:   DefaultPrefix,
 		now:      time.Now,
-		claim:    redis.NewScript(claimScript),
+		takeOver: redis.NewScript(takeOverScript),
 		complete: redis.NewScript(completeScript),
 		release:  redis.NewScript(releaseScript),
 		extend:   redis.NewScript(extendScript),
@@ -79,95 +91,236 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 	return s
 }
 
-// Claim implements [idemserver.Store] in one round trip.
+// Claim implements [idemserver.Store] in one round trip: SET NX GET. A
+// completed record that has expired by c.Now, but not yet in Redis (the
+// clocks of two instances differ), takes a second: the takeover script
+// replaces it.
 func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
-	return s.run(ctx, c, false, "")
+	return decoded(s.claim(ctx, c, c.Token, false, ""))
 }
 
 // TakeOver implements [idemserver.Store] in one round trip. It replaces
-// the record only while its lease has ended by the Redis server's clock,
-// so a lease its holder extended in the meantime is not taken.
+// the record only while its lease has ended at c.Now, so a lease its
+// holder extended in the meantime is not taken.
 func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
-	return s.run(ctx, c, true, expiredToken)
+	return decoded(s.claim(ctx, c, c.Token, true, expiredToken))
 }
 
-func (s *Store) run(ctx context.Context, c idemserver.Claim, takeOver bool, expiredToken string) (idemserver.ClaimResult, error) {
-	if err := ctx.Err(); err != nil {
-		return idemserver.ClaimResult{}, err
+// ClaimPacked implements [idemserver.PackedStore]: it is Claim or
+// TakeOver, with a completed record's response translated from the stored
+// encoding to the packed form without becoming a Response. The lease token
+// goes into Redis with the claim, so c.NewToken, if set, is called before
+// Redis answers, whatever it answers.
+func (s *Store) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+	token := c.Token
+	if c.NewToken != nil {
+		token = c.NewToken()
 	}
-	if c.Token == "" {
-		return idemserver.ClaimResult{}, errors.New("redisstore: claim without a lease token")
+	claimed, rec, err := s.claim(ctx, c.Claim, token, c.TakeOver, c.ExpiredToken)
+	switch {
+	case err != nil:
+		return idemserver.PackedClaimResult{}, err
+	case claimed:
+		return idemserver.PackedClaimResult{ClaimResult: idemserver.ClaimResult{Claimed: true}, Token: token}, nil
 	}
-	args := make([]any, 4, 5)
-	args[0] = c.Fingerprint[:]
-	args[1] = c.Token
-	args[2] = micros(c.LeaseExpires.Sub(c.Now))
-	args[3] = micros(LeaseMargin)
-	if takeOver {
-		args = append(args, expiredToken)
+	var res idemserver.PackedClaimResult
+	res.Record = rec.found()
+	if rec.completed {
+		res.Response, err = respcodec.Packed(rec.response)
+		if err != nil {
+			return idemserver.PackedClaimResult{}, fmt.Errorf("redisstore: stored response: %w", err)
+		}
 	}
-	reply, err := s.claim.Run(ctx, s.client, []string{recordKey(s.prefix, c.Key)}, args...).Slice()
-	if err != nil {
-		return idemserver.ClaimResult{}, fmt.Errorf("redisstore: claim: %w", err)
-	}
-	return parseClaim(reply, c.Now)
-}
-
-// parseClaim reads the reply of claimScript. Durations in it become times
-// relative to now, the claim's time: the middleware compares the times of
-// a record only with that.
-func parseClaim(reply []any, now time.Time) (idemserver.ClaimResult, error) {
-	var res idemserver.ClaimResult
-	code, ok := at[int64](reply, 0)
-	if !ok {
-		return res, fmt.Errorf("%w to a claim: %v", ErrUnexpectedReply, reply)
-	}
-	if code == 1 {
-		res.Claimed = true
-		return res, nil
-	}
-	fp, ok1 := at[string](reply, 1)
-	str, ok2 := at[string](reply, 2)
-	left, ok3 := at[int64](reply, 3)
-	if code != 2 && code != 3 || !ok1 || !ok2 || !ok3 || len(fp) != len(res.Record.Fingerprint) {
-		return res, fmt.Errorf("%w to a claim: %d fields, code %d", ErrUnexpectedReply, len(reply), code)
-	}
-	copy(res.Record.Fingerprint[:], fp)
-	at := now.Add(time.Duration(left) * time.Microsecond)
-	if code == 3 {
-		res.Record.Token = str
-		res.Record.LeaseExpires = at
-		return res, nil
-	}
-	resp, err := respcodec.Decode([]byte(str))
-	if err != nil {
-		return res, fmt.Errorf("redisstore: stored response: %w", err)
-	}
-	res.Record.Response = resp
-	res.Record.Expires = at
 	return res, nil
 }
 
-// at returns reply[i] as a T, and whether it is one.
-func at[T any](reply []any, i int) (T, bool) {
-	if i >= len(reply) {
-		var zero T
-		return zero, false
+// claim claims c.Key with token, or takes over expiredToken's lease, and
+// reports whether it did, or else the record it found.
+func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, takeOver bool, expiredToken string) (bool, record, error) {
+	if err := ctx.Err(); err != nil {
+		return false, record{}, err
 	}
-	v, ok := reply[i].(T)
-	return v, ok
+	if err := checkToken(token); err != nil {
+		return false, record{}, err
+	}
+	a := newClaimArgs(recordKey(s.prefix, c.Key), c, token)
+	key, value, ttl := a.key, a.value, a.ttl
+	if takeOver {
+		return s.replace(ctx, key, value, ttl, c.Now, token, expiredToken)
+	}
+	cmd := redis.NewStringCmd(ctx, a.args[:]...)
+	err := s.client.Process(ctx, cmd)
+	var full error // Redis's refusal, when it is full
+	switch {
+	case errors.Is(err, redis.Nil):
+		return true, record{}, nil
+	case redis.IsOOMError(err):
+		// Redis at its maxmemory refuses SET even when NX would write
+		// nothing. A completed key still replays, and a claim sent again
+		// finds itself: read the record, a second round trip only while
+		// Redis is full.
+		full = err
+		cmd = s.client.Get(ctx, key)
+		if errors.Is(cmd.Err(), redis.Nil) {
+			return false, record{}, fmt.Errorf("redisstore: claim: %w", err)
+		}
+		if cmd.Err() != nil {
+			return false, record{}, fmt.Errorf("redisstore: claim: %w", errors.Join(err, cmd.Err()))
+		}
+	case err != nil:
+		return false, record{}, claimError(err)
+	}
+	rec, err := parseRecord(cmd.Val())
+	switch {
+	case err != nil:
+		return false, record{}, fmt.Errorf("redisstore: claim: %w", err)
+	case !rec.completed && rec.token == token:
+		// The claim was sent again after it had won (go-redis resends a
+		// command whose reply was lost), and tokens are unique to one
+		// claim. Its lease ends at c.LeaseExpires, as the middleware
+		// reckons.
+		return true, record{}, nil
+	case rec.completed && !rec.at.After(c.Now):
+		// Expired by the middleware's clock, not yet by Redis's: absent,
+		// by the Store contract.
+		if full != nil {
+			return false, record{}, fmt.Errorf("redisstore: claim of a key whose record expired: %w", full)
+		}
+		return s.replace(ctx, key, value, ttl, c.Now, token, "")
+	}
+	return false, rec, nil
+}
+
+// claimArgs holds the arguments of a claim's SET NX GET in one
+// allocation: the command's arguments point into it, rather than each
+// being boxed on its own.
+type claimArgs struct {
+	key   string
+	value []byte // the new record; in buf when its token is short
+	ttl   int64  // the native expiry, in milliseconds
+	args  [7]any
+	buf   [offToken + 48]byte
+}
+
+func newClaimArgs(key string, c idemserver.Claim, token string) *claimArgs {
+	a := &claimArgs{key: key, ttl: ttlMillis(withMargin(c.LeaseExpires.Sub(c.Now)))}
+	a.value = appendInProgress(a.buf[:0], c.Fingerprint, c.LeaseExpires, token)
+	a.args = [...]any{"set", &a.key, a, "nx", "get", "px", &a.ttl}
+	return a
+}
+
+// MarshalBinary returns the new record, which go-redis sends as the value
+// of the SET.
+func (a *claimArgs) MarshalBinary() ([]byte, error) { return a.value, nil }
+
+// replace runs the takeover script: see takeOverScript.
+func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64, now time.Time, token, expiredToken string) (bool, record, error) {
+	reply, err := s.takeOver.Run(ctx, s.client, []string{key}, value, ttl, micros(now), expiredToken, token).Result()
+	if err != nil {
+		return false, record{}, claimError(err)
+	}
+	switch r := reply.(type) {
+	case int64:
+		if r == 1 {
+			return true, record{}, nil
+		}
+		if r == -1 {
+			return false, record{}, fmt.Errorf("redisstore: takeover: %w", unreadable(ctx, s.client, key))
+		}
+	case string:
+		rec, err := parseRecord(r)
+		if err != nil {
+			return false, record{}, fmt.Errorf("redisstore: takeover: %w", err)
+		}
+		return false, rec, nil
+	}
+	return false, record{}, fmt.Errorf("%w to a takeover: %v", ErrUnexpectedReply, reply)
+}
+
+// claimError wraps an error of Redis's answering a claim.
+func claimError(err error) error {
+	if strings.HasPrefix(err.Error(), "ERR syntax error") {
+		// SET with both NX and GET came with Redis 7.0.
+		return fmt.Errorf("redisstore: claim: %w (the store needs Redis 7.0 or later)", err)
+	}
+	return fmt.Errorf("redisstore: claim: %w", err)
+}
+
+// unreadable returns the error for a record a script found unreadable,
+// naming its version when it has one this release does not know.
+func unreadable(ctx context.Context, c redis.UniversalClient, key string) error {
+	v, err := c.GetRange(ctx, key, 0, 0).Result()
+	if err == nil && v != "" && v[0] != layoutVersion {
+		return fmt.Errorf("%w %d (this release reads version %d)", ErrUnknownVersion, v[0], layoutVersion)
+	}
+	return fmt.Errorf("%w: a record this store cannot read", ErrUnexpectedReply)
+}
+
+// found returns the record that a claim found, without its response.
+func (r record) found() idemserver.Record {
+	rec := idemserver.Record{Fingerprint: r.fingerprint}
+	if r.completed {
+		rec.Expires = r.at
+	} else {
+		rec.Token = r.token
+		rec.LeaseExpires = r.at
+	}
+	return rec
+}
+
+// decoded returns the ClaimResult of a claim that answered claimed, or
+// found r, or failed with err.
+func decoded(claimed bool, r record, err error) (idemserver.ClaimResult, error) {
+	if err != nil || claimed {
+		return idemserver.ClaimResult{Claimed: claimed}, err
+	}
+	res := idemserver.ClaimResult{Record: r.found()}
+	if r.completed {
+		resp, err := respcodec.Decode([]byte(r.response))
+		if err != nil {
+			return idemserver.ClaimResult{}, fmt.Errorf("redisstore: stored response: %w", err)
+		}
+		res.Record.Response = resp
+	}
+	return res, nil
 }
 
 // Complete implements [idemserver.Store] in one round trip. The record
-// expires in Redis at expires, by the server's clock: the store keeps it
-// for as long as expires is from now on the store's clock (see
+// expires at expires, by the middleware's clock; in Redis, natively, as
+// long from now as expires is from now on the store's clock (see
 // [WithClock]). A record completed with an expiry already past is deleted.
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	ttl := micros(expires.Sub(s.now()))
-	return s.tokenOp(ctx, s.complete, "complete", key, token, respcodec.Encode(resp), ttl)
+	return s.completeWith(ctx, key, token, respcodec.Encode(resp), s.now(), expires)
+}
+
+// CompletePacked implements [idemserver.PackedStore]: it is Complete, with
+// the response translated from the packed form to the stored encoding
+// without becoming a Response, and the native expiry reckoned from c.Now
+// (the store's clock when c.Now is zero).
+func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	enc, err := respcodec.AppendPacked(nil, c.Response)
+	if err != nil {
+		return fmt.Errorf("redisstore: complete: %w", err)
+	}
+	now := c.Now
+	if now.IsZero() {
+		now = s.now()
+	}
+	return s.completeWith(ctx, c.Key, c.Token, enc, now, c.Expires)
+}
+
+func (s *Store) completeWith(ctx context.Context, key idemserver.Key, token string, enc []byte, now, expires time.Time) error {
+	var ttl int64 // 0: the script deletes the record
+	if d := expires.Sub(now); d > 0 {
+		ttl = ttlMillis(d)
+	}
+	return s.tokenOp(ctx, s.complete, "complete", key, token, appendTime(nil, expires), enc, ttl)
 }
 
 // Release implements [idemserver.Store] in one round trip.
@@ -179,31 +332,56 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 }
 
 // Extend implements [idemserver.Store] in one round trip. The lease ends
-// as long from now, by the server's clock, as leaseExpires is from now on
-// the store's clock (see [WithClock]).
+// at leaseExpires by the middleware's clock, and the record expires in
+// Redis LeaseMargin after that, reckoned on the store's clock (see
+// [WithClock]).
 func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	d := micros(leaseExpires.Sub(s.now()))
-	return s.tokenOp(ctx, s.extend, "extend", key, token, d, micros(LeaseMargin))
+	ttl := ttlMillis(withMargin(leaseExpires.Sub(s.now())))
+	return s.tokenOp(ctx, s.extend, "extend", key, token, appendTime(nil, leaseExpires), ttl)
 }
 
 // tokenOp runs one of the scripts that act only while the record holds
-// token, which answer 1 when they did and 0 when the token is not there.
+// token, which answer 1 when they did, 0 when the token is not there and
+// -1 for a record they cannot read.
 func (s *Store) tokenOp(ctx context.Context, script *redis.Script, op string, key idemserver.Key, token string, args ...any) error {
 	args = append([]any{token}, args...)
-	n, err := script.Run(ctx, s.client, []string{recordKey(s.prefix, key)}, args...).Int64()
+	rk := recordKey(s.prefix, key)
+	n, err := script.Run(ctx, s.client, []string{rk}, args...).Int64()
 	switch {
 	case err != nil:
 		return fmt.Errorf("redisstore: %s: %w", op, err)
 	case n == 0:
 		return fmt.Errorf("redisstore: %s: %w", op, idemserver.ErrLeaseLost)
+	case n == -1:
+		return fmt.Errorf("redisstore: %s: %w", op, unreadable(ctx, s.client, rk))
 	case n != 1:
 		return fmt.Errorf("%w to %s: %d", ErrUnexpectedReply, op, n)
 	}
 	return nil
 }
 
-// micros returns d in whole microseconds, the unit of the scripts.
-func micros(d time.Duration) int64 { return d.Microseconds() }
+// withMargin returns how long an in-progress record whose lease lasts d
+// lives in Redis: d plus LeaseMargin, saturated rather than overflowing
+// for a lease too long to add to.
+func withMargin(d time.Duration) time.Duration {
+	if d > math.MaxInt64-LeaseMargin {
+		return math.MaxInt64
+	}
+	return d + LeaseMargin
+}
+
+// ttlMillis returns d in whole milliseconds, rounded up, and at least 1:
+// the native expiry of a record, which must not end before its time.
+// It is at most as long as the record's time field reaches (about 285
+// years), which also keeps a saturated duration from overflowing.
+func ttlMillis(d time.Duration) int64 {
+	const most = maxMicros / 1000
+	if d >= most*time.Millisecond {
+		return most
+	}
+	ms := (d + time.Millisecond - 1) / time.Millisecond
+	return max(int64(ms), 1)
+}

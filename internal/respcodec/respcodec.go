@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 
@@ -95,13 +96,55 @@ func Encode(resp *idemserver.Response) []byte {
 // b's memory; its header names and values share one new string. A response
 // without header fields has a nil Header, and one without a body a nil Body.
 func Decode(b []byte) (*idemserver.Response, error) {
+	l, err := scan(b)
+	if err != nil {
+		return nil, err
+	}
+	resp := &idemserver.Response{Status: l.status, BodyOmitted: l.omitted}
+	if l.nfields > 0 {
+		// The names and values become substrings of one string.
+		s := string(b[l.fields:l.fieldsEnd])
+		all := make([]string, l.nvalues)
+		resp.Header = make(http.Header, l.nfields)
+		d := decoder[string]{b: s}
+		for range l.nfields {
+			name := d.str()
+			n := int(d.uvarint())
+			values := all[:n:n]
+			all = all[n:]
+			for j := range values {
+				values[j] = d.str()
+			}
+			resp.Header[name] = values
+		}
+	}
+	if l.body < len(b) {
+		resp.Body = b[l.body:len(b):len(b)]
+	}
+	return resp, nil
+}
+
+// layout is where the parts of a valid encoding lie.
+type layout struct {
+	status           int
+	flags            byte
+	omitted          bool
+	nfields, nvalues int
+	// fields and fieldsEnd delimit the header fields, in the form that
+	// Append writes them; body is where the body starts.
+	fields, fieldsEnd, body int
+}
+
+// scan checks the encoding b and returns its layout.
+func scan[T ~string | ~[]byte](b T) (layout, error) {
+	var l layout
 	if len(b) == 0 {
-		return nil, fmt.Errorf("%w: empty", ErrCorrupt)
+		return l, fmt.Errorf("%w: empty", ErrCorrupt)
 	}
 	if b[0] != Version {
-		return nil, fmt.Errorf("%w %d (this release reads version %d)", ErrUnknownVersion, b[0], Version)
+		return l, fmt.Errorf("%w %d (this release reads version %d)", ErrUnknownVersion, b[0], Version)
 	}
-	d := decoder{b: b, i: 1}
+	d := decoder[T]{b: b, i: 1}
 	status := d.uvarint()
 	if d.err == nil && (status < 100 || status > 999) {
 		d.fail("status %d", status)
@@ -110,83 +153,141 @@ func Decode(b []byte) (*idemserver.Response, error) {
 	if d.err == nil && flags&^flagOmitted != 0 {
 		d.fail("unknown flags %#x", flags)
 	}
-	nfields := d.count(2) // a field takes at least two bytes
-	if d.err != nil {
-		return nil, d.err
-	}
-	resp := &idemserver.Response{Status: int(status), BodyOmitted: flags&flagOmitted != 0}
-	if nfields > 0 {
-		// The names and values become substrings of one string.
-		start := d.i
-		var nvalues int
-		for range nfields {
+	l.status, l.flags, l.omitted = int(status), flags, flags&flagOmitted != 0
+	l.nfields = d.count(2) // a field takes at least two bytes
+	l.fields = d.i
+	for range l.nfields {
+		d.bytes()
+		n := d.count(1)
+		l.nvalues += n
+		for range n {
 			d.bytes()
-			n := d.count(1)
-			nvalues += n
-			for range n {
-				d.bytes()
-			}
-		}
-		if d.err != nil {
-			return nil, d.err
-		}
-		s := string(b[start:d.i])
-		all := make([]string, nvalues)
-		resp.Header = make(http.Header, nfields)
-		d = decoder{b: b, i: start}
-		str := func() string {
-			n := int(d.uvarint())
-			v := s[d.i-start : d.i-start+n]
-			d.i += n
-			return v
-		}
-		for range nfields {
-			name := str()
-			n := int(d.uvarint())
-			values := all[:n:n]
-			all = all[n:]
-			for j := range values {
-				values[j] = str()
-			}
-			if _, dup := resp.Header[name]; dup {
-				return nil, fmt.Errorf("%w: field %q twice", ErrCorrupt, name)
-			}
-			resp.Header[name] = values
 		}
 	}
+	l.fieldsEnd = d.i
 	n := d.uvarint()
+	l.body = d.i
 	switch {
 	case d.err != nil:
-		return nil, d.err
+		return l, d.err
 	case n != uint64(len(b)-d.i):
-		return nil, fmt.Errorf("%w: body of %d bytes in %d remaining", ErrCorrupt, n, len(b)-d.i)
-	case n > 0 && resp.BodyOmitted:
-		return nil, fmt.Errorf("%w: a body, and the flag that says it was omitted", ErrCorrupt)
-	case n > 0:
-		resp.Body = b[d.i:len(b):len(b)]
+		return l, fmt.Errorf("%w: body of %d bytes in %d remaining", ErrCorrupt, n, len(b)-d.i)
+	case n > 0 && l.omitted:
+		return l, fmt.Errorf("%w: a body, and the flag that says it was omitted", ErrCorrupt)
 	}
-	return resp, nil
+	if name, ok := duplicateField(b[l.fields:l.fieldsEnd], l.nfields); ok {
+		return l, fmt.Errorf("%w: field %q twice", ErrCorrupt, name)
+	}
+	return l, nil
+}
+
+// duplicateField returns a name that two of the n checked fields share.
+func duplicateField[T ~string | ~[]byte](fields T, n int) (string, bool) {
+	if n < 2 {
+		return "", false
+	}
+	names := make([]T, 0, 16)
+	d := decoder[T]{b: fields}
+	for range n {
+		l := int(d.uvarint())
+		name := d.b[d.i : d.i+l]
+		d.i += l
+		for _, prev := range names {
+			if string(prev) == string(name) {
+				return string(name), true
+			}
+		}
+		names = append(names, name)
+		for range d.uvarint() {
+			d.bytes()
+		}
+	}
+	return "", false
+}
+
+// Packed returns the response that enc encodes as an
+// [idemserver.PackedResponse], without making it a Response first: the
+// fields of both forms are written alike, so they are copied whole. It
+// checks enc as Decode does. The result has memory of its own.
+//
+// It relies on the packed form that package idemserver documents beside
+// [idemserver.PackedResponse]; the package's tests check that the two
+// translations agree with PackResponse and Response.
+func Packed(enc string) (idemserver.PackedResponse, error) {
+	l, err := scan(enc)
+	if err != nil {
+		return idemserver.PackedResponse{}, err
+	}
+	fields, body := enc[l.fields:l.fieldsEnd], enc[l.body:]
+	var b strings.Builder
+	b.Grow(varint.Len(uint64(l.status)) + 1 + varint.Len(uint64(len(fields))) + len(fields) + len(body))
+	writeUvarint(&b, uint64(l.status))
+	b.WriteByte(l.flags) // the same bits in both forms
+	writeUvarint(&b, uint64(len(fields)))
+	b.WriteString(fields)
+	b.WriteString(body)
+	return idemserver.ParsePackedResponse(b.String())
+}
+
+// AppendPacked appends the encoding of the packed response p to dst, as
+// Append would of p.Response(), without making it a Response first. A zero
+// p, or packed bytes that are not a response, give an error.
+func AppendPacked(dst []byte, p idemserver.PackedResponse) ([]byte, error) {
+	if p.IsZero() {
+		return dst, fmt.Errorf("%w: no response", ErrCorrupt)
+	}
+	packed, _ := p.AppendBinary(nil) // never fails
+	// status uvarint, flags byte, uvarint length of the fields, fields,
+	// then the body.
+	d := decoder[[]byte]{b: packed}
+	status := d.uvarint()
+	flags := d.byte()
+	flen := d.uvarint()
+	if d.err != nil || flen > uint64(len(packed)-d.i) {
+		return dst, fmt.Errorf("%w: packed response", ErrCorrupt)
+	}
+	fields, body := packed[d.i:d.i+int(flen)], packed[d.i+int(flen):]
+	n := 0
+	for f := (decoder[[]byte]{b: fields}); f.i < len(fields) && f.err == nil; n++ {
+		f.bytes()
+		for range f.uvarint() {
+			f.bytes()
+		}
+		if f.err != nil {
+			return dst, fmt.Errorf("%w: packed response fields", ErrCorrupt)
+		}
+	}
+	if flags&flagOmitted != 0 {
+		body = nil
+	}
+	dst = append(dst, Version)
+	dst = binary.AppendUvarint(dst, status)
+	dst = append(dst, flags)
+	dst = binary.AppendUvarint(dst, uint64(n))
+	dst = append(dst, fields...)
+	dst = binary.AppendUvarint(dst, uint64(len(body)))
+	return append(dst, body...), nil
 }
 
 // decoder reads b from i; the first error sticks and makes every later
 // read return zero.
-type decoder struct {
-	b   []byte
+type decoder[T ~string | ~[]byte] struct {
+	b   T
 	i   int
 	err error
 }
 
-func (d *decoder) fail(format string, args ...any) {
+func (d *decoder[T]) fail(format string, args ...any) {
 	if d.err == nil {
 		d.err = fmt.Errorf("%w: %s at byte %d", ErrCorrupt, fmt.Sprintf(format, args...), d.i)
 	}
 }
 
-func (d *decoder) uvarint() uint64 {
+func (d *decoder[T]) uvarint() uint64 {
 	if d.err != nil {
 		return 0
 	}
-	v, n := binary.Uvarint(d.b[d.i:])
+	v, n := varint.Uvarint(d.b[d.i:])
 	if n <= 0 || n != varint.Len(v) {
 		// Only the shortest form is valid, so that each response has one
 		// encoding (up to the order of its fields).
@@ -197,7 +298,7 @@ func (d *decoder) uvarint() uint64 {
 	return v
 }
 
-func (d *decoder) byte() byte {
+func (d *decoder[T]) byte() byte {
 	if d.err != nil {
 		return 0
 	}
@@ -212,7 +313,7 @@ func (d *decoder) byte() byte {
 
 // count reads a count of items that take at least min bytes each, and
 // fails if the rest of the encoding cannot hold that many.
-func (d *decoder) count(min int) int {
+func (d *decoder[T]) count(min int) int {
 	v := d.uvarint()
 	if d.err == nil && v > uint64((len(d.b)-d.i)/min) {
 		d.fail("count %d larger than the encoding", v)
@@ -222,7 +323,7 @@ func (d *decoder) count(min int) int {
 }
 
 // bytes skips a length-prefixed string.
-func (d *decoder) bytes() {
+func (d *decoder[T]) bytes() {
 	n := d.uvarint()
 	if d.err == nil && n > uint64(len(d.b)-d.i) {
 		d.fail("length %d past the end", n)
@@ -231,7 +332,20 @@ func (d *decoder) bytes() {
 	d.i += int(n)
 }
 
+// str reads a length-prefixed string of a checked encoding.
+func (d *decoder[T]) str() T {
+	n := int(d.uvarint())
+	v := d.b[d.i : d.i+n]
+	d.i += n
+	return v
+}
+
 func appendString(b []byte, s string) []byte {
 	b = binary.AppendUvarint(b, uint64(len(s)))
 	return append(b, s...)
+}
+
+func writeUvarint(b *strings.Builder, v uint64) {
+	var buf [binary.MaxVarintLen64]byte
+	b.Write(binary.AppendUvarint(buf[:0], v))
 }

@@ -81,6 +81,8 @@ func TestDecodeUnknownVersion(t *testing.T) {
 		require.ErrorIs(t, err, ErrUnknownVersion)
 		assert.NotErrorIs(t, err, ErrCorrupt)
 		assert.Contains(t, err.Error(), "version")
+		_, err = Packed(string(b))
+		require.ErrorIs(t, err, ErrUnknownVersion, "Packed")
 	}
 }
 
@@ -110,6 +112,9 @@ func TestDecodeCorrupt(t *testing.T) {
 			resp, err := Decode(tt.b)
 			assert.ErrorIs(t, err, ErrCorrupt)
 			assert.Nil(t, resp)
+			p, err := Packed(string(tt.b))
+			assert.ErrorIs(t, err, ErrCorrupt, "Packed")
+			assert.True(t, p.IsZero(), "Packed")
 		})
 	}
 }
@@ -143,6 +148,17 @@ func FuzzDecode(f *testing.F) {
 		}
 		require.GreaterOrEqual(t, resp.Status, 100)
 		require.LessOrEqual(t, resp.Status, 999)
+		// Packed agrees with Decode, and refuses only what the middleware
+		// would refuse of the same response packed (a status no response
+		// replays, a field without a name).
+		p, perr := Packed(string(b))
+		if perr == nil {
+			require.Equal(t, normal(resp), normal(p.Response()))
+		} else {
+			packed, _ := idemserver.PackResponse(resp).AppendBinary(nil)
+			_, err := idemserver.ParsePackedResponse(string(packed))
+			require.Error(t, err, "Packed refused what packing accepts: %v", perr)
+		}
 		// What decodes encodes to an encoding of the same size that
 		// decodes to the same response.
 		again := Encode(resp)
@@ -151,4 +167,41 @@ func FuzzDecode(f *testing.F) {
 		require.NoError(t, err)
 		require.Equal(t, resp, resp2)
 	})
+}
+
+func TestPackedTranslations(t *testing.T) {
+	// The translations to and from idemserver's packed form give what
+	// decoding and packing a Response would, in either direction.
+	for _, tt := range samples {
+		t.Run(tt.name, func(t *testing.T) {
+			want := normal(tt.resp)
+			p, err := Packed(string(Encode(tt.resp)))
+			require.NoError(t, err)
+			assert.Equal(t, want, normal(p.Response()), "Packed")
+
+			b, err := AppendPacked([]byte("prefix"), idemserver.PackResponse(tt.resp))
+			require.NoError(t, err)
+			require.Equal(t, "prefix", string(b[:6]))
+			assert.Len(t, b[6:], Size(tt.resp), "AppendPacked writes what Append would")
+			got, err := Decode(b[6:])
+			require.NoError(t, err)
+			assert.Equal(t, want, got, "AppendPacked")
+			if len(tt.resp.Header) <= 1 {
+				// The same bytes, when the fields' order cannot differ.
+				assert.Equal(t, Encode(tt.resp), b[6:])
+			}
+		})
+	}
+}
+
+func TestPackedStatusNotReplayable(t *testing.T) {
+	// A status that the encoding allows but no replay does is refused,
+	// rather than handed to the middleware.
+	_, err := Packed(string(Encode(&idemserver.Response{Status: http.StatusContinue})))
+	require.Error(t, err)
+}
+
+func TestAppendPackedZero(t *testing.T) {
+	_, err := AppendPacked(nil, idemserver.PackedResponse{})
+	require.ErrorIs(t, err, ErrCorrupt)
 }

@@ -11,3 +11,29 @@ func Len(v uint64) int {
 	}
 	return n
 }
+
+// Uvarint decodes a uvarint from the start of b, a string or a byte slice,
+// as binary.Uvarint does: it returns the value and the number of bytes
+// read; n == 0 means b is too short, n < 0 that the value overflows 64 bits
+// (and -n bytes were read).
+func Uvarint[T ~string | ~[]byte](b T) (v uint64, n int) {
+	var s uint
+	for i := 0; i < len(b); i++ {
+		if i == maxLen64 {
+			return 0, -(i + 1)
+		}
+		c := b[i]
+		if c < 0x80 {
+			if i == maxLen64-1 && c > 1 {
+				return 0, -(i + 1)
+			}
+			return v | uint64(c)<<s, i + 1
+		}
+		v |= uint64(c&0x7f) << s
+		s += 7
+	}
+	return 0, 0
+}
+
+// maxLen64 is binary.MaxVarintLen64.
+const maxLen64 = 10

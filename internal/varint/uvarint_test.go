@@ -13,3 +13,19 @@ func TestLenMatchesAppendUvarint(t *testing.T) {
 		assert.Equal(t, len(binary.AppendUvarint(nil, v)), Len(v), "v=%d", v)
 	}
 }
+func TestUvarintMatchesBinary(t *testing.T) {
+	inputs := [][]byte{nil, {0}, {0x7f}, {0x80}, {0x80, 0x01}, {0xff, 0xff, 0x03},
+		binary.AppendUvarint(nil, math.MaxUint64),
+		{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02},
+		{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01},
+		{0x80, 0x80}}
+	for _, b := range inputs {
+		wantV, wantN := binary.Uvarint(b)
+		v, n := Uvarint(b)
+		assert.Equal(t, wantV, v, "% x", b)
+		assert.Equal(t, wantN, n, "% x", b)
+		v, n = Uvarint(string(b))
+		assert.Equal(t, wantV, v, "string % x", b)
+		assert.Equal(t, wantN, n, "string % x", b)
+	}
+}
