@@ -369,6 +369,11 @@ func appendReplayable(b []byte, h http.Header, allow map[string]bool, outer []by
 // as named. It also reports whether h has a Connection field.
 func appendKept(b []byte, h http.Header, allow, named map[string]bool, outer []byte) (_ []byte, hasLength, connection bool) {
 	for k, vs := range h {
+		if !validFieldName(k) {
+			// net/http drops such a field in silence, so the client never
+			// received it: a replay sends what the client did.
+			continue
+		}
 		ck := textproto.CanonicalMIMEHeaderKey(k)
 		if hopByHop(ck) || named[ck] || strings.HasPrefix(k, http.TrailerPrefix) ||
 			ck == ReplayedHeader || (ck == "Set-Cookie" && !allow[ck]) {
@@ -382,6 +387,24 @@ func appendKept(b []byte, h http.Header, allow, named map[string]bool, outer []b
 		b = appendHeaderField(b, k, vs...)
 	}
 	return b, hasLength, connection
+}
+
+// validFieldName reports whether name is a field name, a token of RFC
+// 9110, section 5.1: the names net/http writes.
+func validFieldName(name string) bool {
+	if name == "" {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		case strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0:
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 func hopByHop(k string) bool {

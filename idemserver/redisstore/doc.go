@@ -38,9 +38,12 @@
 // completed record expired by the middleware's clock but still in Redis
 // (where the clocks of two instances differ) replaces it with the takeover
 // script, as the Store contract treats an expired record as absent. And a
-// Redis full under maxmemory-policy noeviction refuses SET even when NX
-// would write nothing: the claim then reads the record with a GET, and a
-// completed key still replays (see below).
+// Redis that refuses write commands while it still answers reads refuses
+// SET even when NX would write nothing, for SET is a write command: full
+// under maxmemory-policy noeviction (OOM), short of the replicas that
+// min-replicas-to-write asks for (NOREPLICAS), after a failed save
+// (MISCONF), or a replica (READONLY). The claim then reads the record with
+// a GET, and a completed key still replays (see below).
 //
 // The store implements [idemserver.PackedStore], so a replay goes from the
 // bytes Redis returns to the client without becoming an
@@ -53,12 +56,14 @@
 // that clock (the claim's LeaseExpires, the expiry given to Complete, the
 // lease end given to Extend). A claim reports those instants, and the
 // middleware compares them with the claim's Now; TakeOver's script
-// compares the lease's end with the takeover's Now, sent along. The Redis
-// server's clock judges nothing: SET NX GET cannot read it.
+// compares the lease's end with the takeover's Now, sent along. SET NX GET
+// cannot read the Redis server's clock, and the scripts do not.
 //
-// Redis's native expiry is only garbage collection, given as a duration
+// Redis's native expiry is garbage collection, given as a duration
 // reckoned on the store's clock ([WithClock], which must be the
-// middleware's): an in-progress record expires in Redis [LeaseMargin] after
+// middleware's; a claim stamped more than [MaxClockSkew] from it is
+// refused with [ErrClockSkew]), and set later than the middleware's clock
+// will judge the record ended: an in-progress record expires in Redis [LeaseMargin] after
 // its lease ends (until then it shows the ended lease, which the middleware
 // takes over, and which its holder may still extend or complete if no one
 // took it over), and a completed one when its TTL ends. Nothing needs
@@ -74,6 +79,13 @@
 // that comes within d of a record's end again. An instance whose clock is
 // behind by d waits d longer to take over a crashed handler's key, and
 // replays completed records until Redis lets them expire, on time.
+//
+// Redis keeps a native expiry as an instant of its own clock, so a step of
+// the Redis host's clock forward deletes records early: a step past an
+// in-progress record's margin ([LeaseMargin] after its lease) lets a
+// retry run while the handler still runs, and one across a completed
+// record's end lets a retry run again. Keep that host's clock
+// synchronized and slewed, not stepped, as well.
 //
 // go-redis sends a command again when a connection fails before its reply
 // arrives. A claim or takeover that Redis ran, sent again, finds its own

@@ -103,7 +103,7 @@ func TestFullRedis(t *testing.T) {
 	later := claim("done", "d3", time.Minute)
 	later.Now = later.Now.Add(2 * time.Hour)
 	later.LeaseExpires = later.Now.Add(time.Minute)
-	_, err = store.Claim(ctx, later)
+	_, err = aheadOf(c, redisstore.DefaultPrefix, 2*time.Hour).Claim(ctx, later)
 	assert.ErrorContains(t, err, "OOM", "a claim of an expired record in a full Redis")
 
 	assert.NoError(t, store.Extend(ctx, live.Key, live.Token, time.Now().Add(time.Minute)), "a live claim is extended")

@@ -62,15 +62,17 @@ func created(run int64, w http.ResponseWriter) {
 type counted struct {
 	rt    *counter
 	c     *redis.Client
-	store *redisstore.Store
-	srv   *httptest.Server
+	store  *redisstore.Store
+	prefix string
+	srv    *httptest.Server
 	runs  atomic.Int64
 }
 
 func newCounted(t *testing.T) *counted {
 	x := &counted{rt: new(counter)}
 	x.c = newClient(t, x.rt)
-	x.store = redisstore.New(x.c, redisstore.WithPrefix(newPrefix(t, x.c)))
+	x.prefix = newPrefix(t, x.c)
+	x.store = redisstore.New(x.c, redisstore.WithPrefix(x.prefix))
 	x.srv = httptest.NewServer(idemserver.Middleware(x.store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("X-Fail") != "" {
 			http.Error(w, "failed", http.StatusInternalServerError)
@@ -139,7 +141,7 @@ func TestRoundTrips(t *testing.T) {
 	later := claim("direct", "t7", time.Minute)
 	later.Now = later.Now.Add(2 * time.Hour)
 	later.LeaseExpires = later.Now.Add(time.Minute)
-	res, err := store.Claim(ctx, later)
+	res, err := aheadOf(x.c, x.prefix, 2*time.Hour).Claim(ctx, later)
 	require.NoError(t, err)
 	assert.True(t, res.Claimed, "an expired record counts as absent")
 	assert.EqualValues(t, 2, rt.take(), "Claim of a record expired by the claim's clock")
@@ -291,4 +293,10 @@ func TestTwoInstances(t *testing.T) {
 		assert.True(t, bytes.Equal(first, r.body))
 	}
 	assert.EqualValues(t, 1, runs.Load(), "handler runs")
+}
+
+// aheadOf returns a store of the records under prefix, as another
+// instance sees them whose clock is d ahead.
+func aheadOf(c redis.UniversalClient, prefix string, d time.Duration) *redisstore.Store {
+	return redisstore.New(c, redisstore.WithPrefix(prefix), redisstore.WithClock(func() time.Time { return time.Now().Add(d) }))
 }

@@ -74,8 +74,12 @@ func parseRecord(v string) (record, error) {
 	default:
 		return r, fmt.Errorf("%w: a record in state %q of %d bytes", ErrUnexpectedReply, v[1], len(v))
 	}
+	at := binary.BigEndian.Uint64([]byte(v[offTime:offTokenLen]))
+	if at > maxMicros {
+		return r, fmt.Errorf("%w: a time of %#x µs, past the layout's range", ErrUnexpectedReply, at)
+	}
 	copy(r.fingerprint[:], v[offFingerprint:offTime])
-	r.at = time.UnixMicro(int64(binary.BigEndian.Uint64([]byte(v[offTime:offTokenLen]))))
+	r.at = time.UnixMicro(int64(at))
 	r.token = v[offToken:end]
 	return r, nil
 }

@@ -33,6 +33,8 @@ local state, tok, rest
 -- state, tok (the token) and rest (what follows the token).
 local function readable()
   if string.byte(v, 1) ~= 1 or #v < 44 then return false end
+  -- the time is below 2^53, as the store writes it and Lua's numbers hold
+  if string.byte(v, 35) ~= 0 or string.byte(v, 36) > 31 then return false end
   state = string.sub(v, 2, 2)
   local n = string.byte(v, 43) * 256 + string.byte(v, 44)
   if #v < 44 + n then return false end

@@ -24,6 +24,17 @@ const DefaultPrefix = "idem:"
 // extend or complete; after it, the key is simply absent.
 const LeaseMargin = time.Minute
 
+// MaxClockSkew is how far a claim's time (Claim.Now, the middleware's
+// clock) may be from the store's clock (see [WithClock]).
+const MaxClockSkew = 5 * time.Second
+
+// ErrClockSkew is returned, wrapped, by Claim and TakeOver for a claim
+// whose time is more than [MaxClockSkew] from the store's clock: a
+// middleware given a clock of its own and a store not given the same one.
+// The store refuses it (the middleware answers 503) rather than keep
+// records and leases for the wrong time.
+var ErrClockSkew = errors.New("redisstore: the middleware's clock is not the store's; see redisstore.WithClock")
+
 // Errors of the store. Use errors.Is to test for them.
 var (
 	// ErrUnexpectedReply means Redis answered with something the store did
@@ -143,6 +154,9 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 	if err := checkToken(token); err != nil {
 		return false, record{}, err
 	}
+	if d := c.Now.Sub(s.now()); d > MaxClockSkew || d < -MaxClockSkew {
+		return false, record{}, fmt.Errorf("%w: claim of %q stamped %v from it", ErrClockSkew, c.Key.Key, d)
+	}
 	a := newClaimArgs(recordKey(s.prefix, c.Key), c, token)
 	key, value, ttl := a.key, a.value, a.ttl
 	if takeOver {
@@ -154,11 +168,13 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 	switch {
 	case errors.Is(err, redis.Nil):
 		return true, record{}, nil
-	case redis.IsOOMError(err):
-		// Redis at its maxmemory refuses SET even when NX would write
-		// nothing. A completed key still replays, and a claim sent again
+	case refusedWrite(err):
+		// Redis refuses SET, a write command, even when NX would write
+		// nothing: at its maxmemory, without the replicas that
+		// min-replicas-to-write asks for, after a failed save, or as a
+		// replica. A completed key still replays, and a claim sent again
 		// finds itself: read the record, a second round trip only while
-		// Redis is full.
+		// Redis refuses writes.
 		full = err
 		cmd = s.client.Get(ctx, key)
 		if errors.Is(cmd.Err(), redis.Nil) {
@@ -237,6 +253,20 @@ func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64
 	return false, record{}, fmt.Errorf("%w to a takeover: %v", ErrUnexpectedReply, reply)
 }
 
+// refusedWrite reports whether err is Redis refusing a write command in a
+// state where it still answers reads.
+func refusedWrite(err error) bool {
+	if redis.IsOOMError(err) {
+		return true
+	}
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return false
+	}
+	msg := rerr.Error()
+	return strings.HasPrefix(msg, "NOREPLICAS ") || strings.HasPrefix(msg, "MISCONF ") || strings.HasPrefix(msg, "READONLY ")
+}
+
 // claimError wraps an error of Redis's answering a claim.
 func claimError(err error) error {
 	if strings.HasPrefix(err.Error(), "ERR syntax error") {
@@ -293,7 +323,10 @@ func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, 
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return s.completeWith(ctx, key, token, respcodec.Encode(resp), s.now(), expires)
+	// The store's clock may be up to MaxClockSkew from the middleware's,
+	// which stamped expires: the native expiry is that much later, so that
+	// Redis never drops the record before the middleware's clock says.
+	return s.completeWith(ctx, key, token, respcodec.Encode(resp), s.now().Add(-MaxClockSkew), expires)
 }
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
@@ -334,7 +367,8 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 // Extend implements [idemserver.Store] in one round trip. The lease ends
 // at leaseExpires by the middleware's clock, and the record expires in
 // Redis LeaseMargin after that, reckoned on the store's clock (see
-// [WithClock]).
+// [WithClock]), which is within MaxClockSkew of the middleware's (Claim
+// refuses a claim stamped farther from it), and the margin covers that.
 func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
 	if err := ctx.Err(); err != nil {
 		return err

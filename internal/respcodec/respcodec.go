@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 
 	"github.com/idemhttp/idemhttp/idemserver"
@@ -46,7 +47,8 @@ var (
 
 const flagOmitted = 1
 
-// Size returns the length of the encoding of resp.
+// Size returns the length of the encoding of resp, or a little more when
+// resp has a field without a name, which the encoding leaves out.
 func Size(resp *idemserver.Response) int {
 	n := 1 + varint.Len(uint64(resp.Status)) + 1 + varint.Len(uint64(len(resp.Header)))
 	for name, values := range resp.Header {
@@ -72,8 +74,20 @@ func Append(b []byte, resp *idemserver.Response) []byte {
 		flags |= flagOmitted
 	}
 	b = append(b, flags)
-	b = binary.AppendUvarint(b, uint64(len(resp.Header)))
-	for name, values := range resp.Header {
+	// The fields go in the order of their names, so that one response has
+	// one encoding: a completion sent again is then recognised by its
+	// bytes. A field without a name is left out: net/http does not send
+	// it, and Decode refuses it.
+	names := make([]string, 0, len(resp.Header))
+	for name := range resp.Header {
+		if name != "" {
+			names = append(names, name)
+		}
+	}
+	slices.Sort(names)
+	b = binary.AppendUvarint(b, uint64(len(names)))
+	for _, name := range names {
+		values := resp.Header[name]
 		b = appendString(b, name)
 		b = binary.AppendUvarint(b, uint64(len(values)))
 		for _, v := range values {
@@ -157,6 +171,9 @@ func scan[T ~string | ~[]byte](b T) (layout, error) {
 	l.nfields = d.count(2) // a field takes at least two bytes
 	l.fields = d.i
 	for range l.nfields {
+		if d.err == nil && d.i < len(b) && b[d.i] == 0 {
+			d.fail("a header field without a name")
+		}
 		d.bytes()
 		n := d.count(1)
 		l.nvalues += n
@@ -249,6 +266,9 @@ func AppendPacked(dst []byte, p idemserver.PackedResponse) ([]byte, error) {
 	fields, body := packed[d.i:d.i+int(flen)], packed[d.i+int(flen):]
 	n := 0
 	for f := (decoder[[]byte]{b: fields}); f.i < len(fields) && f.err == nil; n++ {
+		if fields[f.i] == 0 {
+			return dst, fmt.Errorf("%w: a header field without a name", ErrCorrupt)
+		}
 		f.bytes()
 		for range f.uvarint() {
 			f.bytes()
