@@ -60,12 +60,12 @@ func created(run int64, w http.ResponseWriter) {
 // counted is a server with the middleware over a store whose round trips
 // are counted. Its handler answers 201, or 500 to a request with X-Fail.
 type counted struct {
-	rt    *counter
-	c     *redis.Client
+	rt     *counter
+	c      *redis.Client
 	store  *redisstore.Store
 	prefix string
 	srv    *httptest.Server
-	runs  atomic.Int64
+	runs   atomic.Int64
 }
 
 func newCounted(t *testing.T) *counted {
