@@ -76,6 +76,9 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 		base = http.DefaultTransport
 	}
 	t := &Transport{base: base, cfg: newConfig(opts)}
+	if t.cfg.newKey == nil {
+		t.cfg.newKey = new(keySource).newKey
+	}
 	t.hostKeys = newHostKeys(t.cfg.maxHosts)
 	if s := t.cfg.breaker; s != nil {
 		t.breakers = newBreakers(*s, t.cfg.maxHosts, t.cfg.idleHost)
