@@ -17,7 +17,11 @@ import (
 // method is keyed), and every attempt it makes carries that key.
 //
 // Transport honours the RoundTripper contract exactly. It never modifies the
-// caller's request: each attempt is sent as a copy with its own header map.
+// caller's request: each attempt is sent as a copy of it. The copy has a
+// header map of its own, so that nothing a base transport writes to it can
+// reach the caller or a later attempt, unless the Transport adds nothing to
+// the header and the base transport is net/http's own [http.Transport],
+// which only reads it; then it shares the caller's.
 // It closes the caller's request body exactly once on every path, including
 // refusals before any attempt. It returns either a response or an error,
 // never both; a response with a failing status after the last attempt is a
@@ -62,11 +66,15 @@ import (
 // A Transport is safe for concurrent use by multiple goroutines. Configure
 // it with options when it is made; it has no setters.
 type Transport struct {
-	base     http.RoundTripper
-	cfg      config
-	breakers *breakers // nil: no circuit breakers
-	limiters *limiters // nil: no rate limit
-	hostKeys *hostKeys
+	base http.RoundTripper
+	// baseReadsOnly: base is an *http.Transport, which never writes to a
+	// request's header, so an attempt that adds nothing to the caller's
+	// header may send the caller's map itself.
+	baseReadsOnly bool
+	cfg           config
+	breakers      *breakers // nil: no circuit breakers
+	limiters      *limiters // nil: no rate limit
+	hostKeys      *hostKeys
 }
 
 // NewTransport returns a Transport that sends attempts through base, or
@@ -76,6 +84,7 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 		base = http.DefaultTransport
 	}
 	t := &Transport{base: base, cfg: newConfig(opts)}
+	_, t.baseReadsOnly = base.(*http.Transport)
 	if t.cfg.newKey == nil {
 		t.cfg.newKey = new(keySource).newKey
 	}
@@ -377,7 +386,9 @@ func (c *call) attempt(n int) outcome {
 		return o
 	}
 	r := c.req.WithContext(o.ctx)
-	r.Header = c.attemptHeader()
+	if c.keyValue != "" || !c.t.baseReadsOnly || r.Header == nil {
+		r.Header = c.attemptHeader()
+	}
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)

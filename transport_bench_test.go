@@ -274,6 +274,21 @@ func BenchmarkTransportOverhead(b *testing.B) {
 	})
 }
 
+// BenchmarkTransportOverheadHTTP is BenchmarkTransportOverhead over an
+// [http.Transport], as the default Transport is, whose "https" protocol
+// answers from memory (RegisterProtocol): what the wrapper costs on top of
+// net/http's own entry into a round trip, without the network's noise.
+func BenchmarkTransportOverheadHTTP(b *testing.B) {
+	base := &http.Transport{}
+	base.RegisterProtocol("https", memoryBase())
+	inMemoryOver(b, base, func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request) {
+		b.ReportAllocs()
+		for b.Loop() {
+			memoryRoundTrip(b, rt, newRequest())
+		}
+	})
+}
+
 // BenchmarkTransportOverheadCold is BenchmarkTransportOverhead with the
 // caches cold, as they are for a client that waits on the network between
 // requests while other work runs: before each request it writes to every
@@ -301,9 +316,18 @@ func BenchmarkTransportOverheadCold(b *testing.B) {
 // transport that answers 200 at once from memory and through idemhttp
 // over it.
 func inMemory(b *testing.B, bench func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request)) {
-	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+	inMemoryOver(b, memoryBase(), bench)
+}
+
+// memoryBase returns a transport that answers 200 at once from memory.
+func memoryBase() http.RoundTripper {
+	return roundTripFunc(func(r *http.Request) (*http.Response, error) {
 		return &http.Response{StatusCode: 200, Header: http.Header{}, Body: http.NoBody, Request: r}, nil
 	})
+}
+
+// inMemoryOver is inMemory over the given base transport.
+func inMemoryOver(b *testing.B, base http.RoundTripper, bench func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request)) {
 	payload := bytes.Repeat([]byte("p"), 1024)
 	for _, method := range []string{"GET", "POST"} {
 		newRequest := func() *http.Request {
