@@ -148,7 +148,6 @@ type call struct {
 
 	host     string          // scheme://host:port, for per-host state
 	admitted time.Time       // when the attempt in flight was admitted
-	breaker  breakerTicket   // the breaker's admission of the attempt in flight
 	changes  []BreakerChange // breaker changes not yet reported
 }
 
@@ -163,11 +162,10 @@ func (c *call) run() (*http.Response, error) {
 	}
 	var last outcome // the previous attempt, its response body held in memory
 	for n := 1; ; n++ {
-		if reason, err := c.admit(n); err != nil {
+		o, reason, err := c.send(n)
+		if err != nil {
 			return c.refused(n, last, reason, err)
 		}
-		o := c.attempt(n)
-		c.settle(o)
 		if o.unsent {
 			return c.refused(n, last, ReasonBodyNotReplayable, o.err)
 		}
@@ -292,34 +290,39 @@ func (c *call) redirectedKey() string {
 	return value
 }
 
-// admit readies attempt n: the host's rate limiter must have room for it
-// and its circuit breaker must let it through. The limiter comes first so
-// that a half-open breaker's few probe slots are not held while waiting.
-// When either refuses, admit returns why and an error.
-func (c *call) admit(n int) (Reason, error) {
+// send makes attempt n once the host's rate limiter has room for it and
+// its circuit breaker lets it through, and tells the breaker and the
+// limiter how it went. The limiter comes first so that a half-open
+// breaker's few probe slots are not held while waiting. When either
+// refuses, send returns why and an error, and nothing was sent.
+func (c *call) send(n int) (o outcome, reason Reason, err error) {
 	if l := c.t.limiters; l != nil {
 		if err := l.wait(c.ctx, c.host); err != nil {
 			if errors.Is(err, ErrWaitPastDeadline) {
-				return ReasonWaitPastDeadline, err
+				return o, ReasonWaitPastDeadline, err
 			}
-			return ReasonCanceled, err
+			return o, ReasonCanceled, err
 		}
 	}
 	// One reading of the clock serves the breaker, the budget and the
 	// attempt's start: on some machines it is among the dearest calls here.
 	c.admitted = time.Now()
 	if b := c.t.breakers; b != nil {
-		ticket, changes, err := b.allow(c.host, c.admitted)
+		changes, err := b.send(c.host, c.admitted, func() breakerOutcome {
+			o = c.attempt(n)
+			return c.breakerOutcome(o)
+		})
 		c.noteChanges(changes)
 		if err != nil {
-			return ReasonCircuitOpen, err
+			return o, ReasonCircuitOpen, err
 		}
-		c.breaker = ticket
+	} else {
+		o = c.attempt(n)
 	}
-	if n == 1 {
-		c.t.cfg.budget.recordFirst(c.host, c.admitted)
+	if c.t.limiters != nil && o.resp != nil {
+		c.t.limiters.observe(c.host, o.resp.StatusCode)
 	}
-	return "", nil
+	return o, "", nil
 }
 
 // noteChanges keeps breaker changes to report with the attempt. Almost
@@ -330,25 +333,18 @@ func (c *call) noteChanges(changes []BreakerChange) {
 	}
 }
 
-// settle tells the host's breaker and rate limiter how an attempt went.
-// Network errors and 5xx responses are breaker failures; other responses,
-// 4xx included, are successes; an attempt ended by the caller's own
-// context, or never sent, counts as neither.
-func (c *call) settle(o outcome) {
-	if c.breaker.admitted() {
-		result := outcomeSuccess
-		switch {
-		case o.unsent || (o.err != nil && c.ctx.Err() != nil):
-			result = outcomeIgnored
-		case o.err != nil || o.resp.StatusCode >= 500:
-			result = outcomeFailure
-		}
-		c.noteChanges(c.breaker.done(result))
-		c.breaker = breakerTicket{}
+// breakerOutcome says what an attempt's outcome tells the host's breaker.
+// Network errors and 5xx responses are failures; other responses, 4xx
+// included, are successes; an attempt ended by the caller's own context,
+// or never sent, counts as neither.
+func (c *call) breakerOutcome(o outcome) breakerOutcome {
+	switch {
+	case o.unsent || (o.err != nil && c.ctx.Err() != nil):
+		return outcomeIgnored
+	case o.err != nil || o.resp.StatusCode >= 500:
+		return outcomeFailure
 	}
-	if c.t.limiters != nil && o.resp != nil {
-		c.t.limiters.observe(c.host, o.resp.StatusCode)
-	}
+	return outcomeSuccess
 }
 
 // vetoRetry returns why a retry that decide chose must not be made, or ""
@@ -374,8 +370,11 @@ type outcome struct {
 	unsent  bool // the attempt was not sent: refused, or its body was unavailable
 }
 
-// attempt sends attempt n.
+// attempt sends attempt n, which the host's breaker admitted.
 func (c *call) attempt(n int) outcome {
+	if n == 1 {
+		c.t.cfg.budget.recordFirst(c.host, c.admitted)
+	}
 	o := outcome{ctx: c.ctx, cancel: func() {}}
 	if d := c.t.cfg.attemptTimeout; d > 0 {
 		o.ctx, o.cancel = context.WithTimeout(c.ctx, d)
