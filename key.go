@@ -28,8 +28,8 @@ type keySource struct {
 	used   int // bytes of random handed out; a full batch is read again
 }
 
-// newKey returns a new UUIDv7 string.
-func (s *keySource) newKey() (string, error) {
+// newKey returns a new UUIDv7 string stamped with now.
+func (s *keySource) newKey(now time.Time) (string, error) {
 	var id [16]byte
 	s.mu.Lock()
 	if s.used == 0 || s.used == len(s.random) {
@@ -43,7 +43,7 @@ func (s *keySource) newKey() (string, error) {
 	copy(id[:], s.random[s.used:])
 	s.used += len(id)
 	s.mu.Unlock()
-	return formatUUIDv7(&id, time.Now().UnixMilli()), nil
+	return formatUUIDv7(&id, now.UnixMilli()), nil
 }
 
 // formatUUIDv7 stamps the random bytes id with the Unix time ms, the

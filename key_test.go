@@ -1,7 +1,9 @@
 package idemhttp
 
 import (
+	"context"
 	"crypto/rand"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -46,7 +48,7 @@ func TestKeySource(t *testing.T) {
 	// Many batches of random bytes, and a key at each offset of a batch.
 	keys := make([]string, 0, 10000)
 	for range cap(keys) {
-		k, err := s.newKey()
+		k, err := s.newKey(time.Now())
 		require.NoError(t, err)
 		keys = append(keys, k)
 	}
@@ -62,7 +64,7 @@ func TestKeySourceConcurrent(t *testing.T) {
 	for g := range goroutines {
 		wg.Go(func() {
 			for range each {
-				k, err := s.newKey()
+				k, err := s.newKey(time.Now())
 				if err != nil {
 					t.Error(err)
 					return
@@ -87,9 +89,9 @@ func TestTransportsHaveTheirOwnKeySource(t *testing.T) {
 	before := time.Now().UnixMilli()
 	var keys []string
 	for range 200 {
-		ka, err := a.cfg.newKey()
+		ka, err := a.keys.newKey(time.Now())
 		require.NoError(t, err)
-		kb, err := b.cfg.newKey()
+		kb, err := b.keys.newKey(time.Now())
 		require.NoError(t, err)
 		keys = append(keys, ka, kb)
 	}
@@ -119,6 +121,28 @@ func TestKeySourceAllocatesOnlyTheString(t *testing.T) {
 		t.Skip("allocation counts differ under the race detector")
 	}
 	var s keySource
-	allocs := testing.AllocsPerRun(1000, func() { _, _ = s.newKey() })
+	allocs := testing.AllocsPerRun(1000, func() { _, _ = s.newKey(time.Now()) })
 	assert.Equal(t, 1.0, allocs)
+}
+
+// The keys a Transport sends by default are distinct UUIDv7s stamped with
+// the time of their request, operations' keys included.
+func TestTransportSendsUUIDv7Keys(t *testing.T) {
+	srv := newServer(t, status(200))
+	tr := NewTransport(newBaseTransport(t))
+	before := time.Now().UnixMilli()
+	for i := range 200 {
+		ctx := context.Background()
+		if i%2 == 1 {
+			ctx = WithOperation(ctx, fmt.Sprintf("op-%d", i))
+		}
+		do(t, tr, post(t, ctx, srv.URL, "body"))
+	}
+	after := time.Now().UnixMilli()
+	var keys []string
+	for _, r := range srv.reqs {
+		keys = append(keys, r.Key)
+	}
+	require.Len(t, keys, 200)
+	requireUUIDv7s(t, keys, before, after)
 }

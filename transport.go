@@ -75,6 +75,7 @@ type Transport struct {
 	breakers      *breakers // nil: no circuit breakers
 	limiters      *limiters // nil: no rate limit
 	hostKeys      *hostKeys
+	keys          *keySource // makes keys, unless cfg.newKey does
 }
 
 // NewTransport returns a Transport that sends attempts through base, or
@@ -86,7 +87,7 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 	t := &Transport{base: base, cfg: newConfig(opts)}
 	_, t.baseReadsOnly = base.(*http.Transport)
 	if t.cfg.newKey == nil {
-		t.cfg.newKey = new(keySource).newKey
+		t.keys = new(keySource)
 	}
 	t.hostKeys = newHostKeys(t.cfg.maxHosts)
 	if s := t.cfg.breaker; s != nil {
@@ -147,11 +148,15 @@ type call struct {
 	resend    bool   // the request may be sent again after it reached the server
 
 	host     string          // scheme://host:port, for per-host state
-	admitted time.Time       // when the attempt in flight was admitted
+	admitted time.Time       // when the attempt in flight was admitted, or the call began
 	changes  []BreakerChange // breaker changes not yet reported
 }
 
 func (c *call) run() (*http.Response, error) {
+	// One reading of the clock stamps a new key and, unless something may
+	// have waited since, admits the first attempt: on some machines it is
+	// among the dearest calls here.
+	c.admitted = time.Now()
 	if err := c.assignKey(); err != nil {
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
@@ -246,7 +251,12 @@ func (c *call) assignKey() error {
 		key := c.redirectedKey()
 		var err error
 		if key == "" {
-			if key, err = cfg.newKey(); err != nil {
+			if c.t.keys != nil {
+				key, err = c.t.keys.newKey(c.admitted)
+			} else {
+				key, err = cfg.newKey()
+			}
+			if err != nil {
 				return err
 			}
 		}
@@ -305,8 +315,11 @@ func (c *call) send(n int) (o outcome, reason Reason, err error) {
 		}
 	}
 	// One reading of the clock serves the breaker, the budget and the
-	// attempt's start: on some machines it is among the dearest calls here.
-	c.admitted = time.Now()
+	// attempt's start. The first attempt has the call's, unless a rate
+	// limiter or a KeyStore may have made it wait.
+	if n > 1 || c.t.limiters != nil || c.pending {
+		c.admitted = time.Now()
+	}
 	if b := c.t.breakers; b != nil {
 		changes, err := b.send(c.host, c.admitted, func() breakerOutcome {
 			o = c.attempt(n)
