@@ -437,6 +437,9 @@ func headerValue(h http.Header, key string) string {
 // one beside it would send two. The canonical spelling costs one lookup;
 // the others are looked for only when it holds no key.
 func callerKey(h http.Header, key string) string {
+	if len(h) == 0 {
+		return ""
+	}
 	if v := headerValue(h, key); v != "" {
 		return v
 	}
