@@ -18,10 +18,11 @@ import (
 //
 // Transport honours the RoundTripper contract exactly. It never modifies the
 // caller's request: each attempt is sent as a copy of it. The copy has a
-// header map of its own, so that nothing a base transport writes to it can
-// reach the caller or a later attempt, unless the Transport adds nothing to
-// the header and the base transport is net/http's own [http.Transport],
-// which only reads it; then it shares the caller's.
+// header of its own, so that nothing a base transport writes to it can
+// reach the caller or a later attempt, unless the base transport is
+// net/http's own [http.Transport], which only reads a request's header:
+// then an attempt's header shares the caller's values, and is the caller's
+// map itself when the Transport adds no key to it.
 // It closes the caller's request body exactly once on every path, including
 // refusals before any attempt. It returns either a response or an error,
 // never both; a response with a failing status after the last attempt is a
@@ -397,10 +398,7 @@ func (c *call) attempt(n int) outcome {
 		o.err, o.unsent = err, true
 		return o
 	}
-	r := c.req.WithContext(o.ctx)
-	if c.keyValue != "" || !c.t.baseReadsOnly || r.Header == nil {
-		r.Header = c.attemptHeader()
-	}
+	r := c.attemptRequest(o.ctx)
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
@@ -453,33 +451,66 @@ func callerKey(h http.Header, key string) string {
 	return ""
 }
 
-// attemptHeader returns a copy of the caller's header with the key added.
-// Every attempt gets its own, so nothing a base transport does to it can
-// reach the caller or a later attempt. Like http.Header.Clone, it copies all
-// values into one backing array; unlike it, it leaves room for the key.
-func (c *call) attemptHeader() http.Header {
+// keyedRequest is an attempt's copy of the caller's request with room for
+// the key field's value. An http.Request's size class has room to spare
+// for it, so adding a key costs no allocation of its own.
+type keyedRequest struct {
+	http.Request
+	key [1]string
+}
+
+// attemptRequest returns the caller's request as an attempt sends it: a
+// copy with ctx as its context, the key added to its header, and a header
+// of its own unless the base transport only reads the caller's.
+func (c *call) attemptRequest(ctx context.Context) *http.Request {
+	if c.keyValue != "" && ctx == c.ctx {
+		kr := &keyedRequest{Request: *c.req}
+		kr.Header = c.attemptHeader(&kr.key)
+		return &kr.Request
+	}
+	// WithContext is the only way to give a request another context.
+	r := c.req.WithContext(ctx)
+	switch {
+	case c.keyValue != "":
+		r.Header = c.attemptHeader(new([1]string))
+	case !c.t.baseReadsOnly || r.Header == nil:
+		r.Header = c.attemptHeader(nil)
+	}
+	return r
+}
+
+// attemptHeader returns a copy of the caller's header with the key added,
+// its value in keySlot (nil when there is no key to add). Every attempt
+// gets its own, so nothing a base transport does to it can reach the
+// caller or a later attempt. Like http.Header.Clone, it copies all values
+// into one backing array, unless the base transport is net/http's, which
+// only reads them: then the caller's values themselves are shared.
+func (c *call) attemptHeader(keySlot *[1]string) http.Header {
 	src := c.req.Header
-	n := 0
-	for _, vv := range src {
-		n += len(vv)
-	}
-	if c.keyValue != "" {
-		n++
-	}
-	values := make([]string, n)
 	h := make(http.Header, len(src)+1)
-	for k, vv := range src {
-		if vv == nil {
-			h[k] = nil
-			continue
+	if c.t.baseReadsOnly {
+		for k, vv := range src {
+			h[k] = vv
 		}
-		m := copy(values, vv)
-		h[k] = values[:m:m]
-		values = values[m:]
+	} else {
+		n := 0
+		for _, vv := range src {
+			n += len(vv)
+		}
+		values := make([]string, n)
+		for k, vv := range src {
+			if vv == nil {
+				h[k] = nil
+				continue
+			}
+			m := copy(values, vv)
+			h[k] = values[:m:m]
+			values = values[m:]
+		}
 	}
-	if c.keyValue != "" {
-		values[0] = c.keyValue
-		h[c.t.cfg.keyHeader] = values[:1:1]
+	if keySlot != nil {
+		keySlot[0] = c.keyValue
+		h[c.t.cfg.keyHeader] = keySlot[:]
 	}
 	return h
 }

@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"bufio"
 	"bytes"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
@@ -279,7 +280,8 @@ func BenchmarkTransportOverhead(b *testing.B) {
 // answers from memory (RegisterProtocol): what the wrapper costs on top of
 // net/http's own entry into a round trip, without the network's noise.
 func BenchmarkTransportOverheadHTTP(b *testing.B) {
-	base := &http.Transport{}
+	// An empty TLSNextProto keeps HTTP/2 from claiming "https" too.
+	base := &http.Transport{TLSNextProto: map[string]func(string, *tls.Conn) http.RoundTripper{}}
 	base.RegisterProtocol("https", memoryBase())
 	inMemoryOver(b, base, func(b *testing.B, rt http.RoundTripper, newRequest func() *http.Request) {
 		b.ReportAllocs()
