@@ -2,7 +2,6 @@ package idemhttp
 
 import (
 	"context"
-	"crypto/rand"
 	"fmt"
 	"sync"
 	"testing"
@@ -12,16 +11,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-// newUUIDv7 makes a UUIDv7 string the way a caller setting keys by hand
-// would, with one read of crypto/rand per key, as uuid.NewV7 does.
-func newUUIDv7() (string, error) {
-	var id [16]byte
-	if _, err := rand.Read(id[:]); err != nil {
-		return "", err
-	}
-	return formatUUIDv7(&id, time.Now().UnixMilli()), nil
-}
 
 // requireUUIDv7s checks that keys are distinct UUIDv7s stamped between
 // before and after (Unix milliseconds).

@@ -203,11 +203,14 @@ func median(v []float64) float64 {
 }
 
 // keyByHand wraps rt so that every POST carries a fresh UUIDv7 key, set by
-// hand on the caller's request: what sending a key costs without idemhttp.
+// hand on the caller's request and made as idemhttp makes its own: what
+// sending a key costs without idemhttp, so that idemhttp/bare+key is the
+// cost of idemhttp's own work alone.
 func keyByHand(rt http.RoundTripper) http.RoundTripper {
+	keys := new(keySource)
 	return roundTripFunc(func(r *http.Request) (*http.Response, error) {
 		if r.Method == http.MethodPost {
-			key, _ := newUUIDv7()
+			key, _ := keys.newKey(time.Now())
 			r.Header.Set(DefaultKeyHeader, key)
 		}
 		return rt.RoundTrip(r)
