@@ -48,29 +48,25 @@ func (s *keySource) newKey(now time.Time) (string, error) {
 
 // formatUUIDv7 stamps the random bytes id with the Unix time ms, the
 // version and the variant of a UUIDv7, and returns it in the canonical
-// 8-4-4-4-12 hexadecimal form. The string is its only allocation. The
-// digits are written at constant offsets, one table lookup per byte: a
-// loop over the bytes cost several times as many instructions.
+// 8-4-4-4-12 hexadecimal form. The string is its only allocation. Each
+// group's digits are written at offsets the compiler knows, one table
+// lookup per byte: a loop over the bytes that placed the dashes as it went
+// cost twice as many instructions.
 func formatUUIDv7(id *[16]byte, ms int64) string {
 	id[0], id[1], id[2] = byte(ms>>40), byte(ms>>32), byte(ms>>24)
 	id[3], id[4], id[5] = byte(ms>>16), byte(ms>>8), byte(ms)
 	id[6] = 0x70 | id[6]&0x0f // version 7
 	id[8] = 0x80 | id[8]&0x3f // variant 10 (RFC 9562)
 	var s [36]byte
-	putHex(&s, 0, id[0])
-	putHex(&s, 2, id[1])
-	putHex(&s, 4, id[2])
-	putHex(&s, 6, id[3])
-	s[8] = '-'
-	putHex(&s, 9, id[4])
-	putHex(&s, 11, id[5])
-	s[13] = '-'
-	putHex(&s, 14, id[6])
-	putHex(&s, 16, id[7])
-	s[18] = '-'
-	putHex(&s, 19, id[8])
-	putHex(&s, 21, id[9])
-	s[23] = '-'
+	s[8], s[13], s[18], s[23] = '-', '-', '-', '-'
+	for i := range 4 {
+		putHex(&s, 2*i, id[i])
+	}
+	for i := range 2 {
+		putHex(&s, 9+2*i, id[4+i])
+		putHex(&s, 14+2*i, id[6+i])
+		putHex(&s, 19+2*i, id[8+i])
+	}
 	for i := range 6 {
 		putHex(&s, 24+2*i, id[10+i])
 	}
