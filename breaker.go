@@ -170,7 +170,7 @@ type breakers struct {
 }
 
 type hostBreaker struct {
-	cb *gobreaker.TwoStepCircuitBreaker[struct{}]
+	cb *gobreaker.CircuitBreaker[struct{}]
 
 	// changed is set while changes is not empty, so that the common case,
 	// no change, costs an atomic load rather than taking mu twice per
@@ -192,7 +192,7 @@ func newBreakers(s BreakerSettings, maxHosts int, idle time.Duration) *breakers 
 func (b *breakers) newHost(host string) *hostBreaker {
 	s := b.settings
 	hb := &hostBreaker{}
-	hb.cb = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{
+	hb.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         host,
 		MaxRequests:  s.HalfOpenProbes,
 		Interval:     s.Interval,
@@ -206,8 +206,7 @@ func (b *breakers) newHost(host string) *hostBreaker {
 				(counted >= s.MinRequests &&
 					float64(c.TotalFailures) >= s.FailureRatio*float64(counted))
 		},
-		// done passes the sentinels themselves: no need for errors.Is,
-		// which is dearer on every attempt.
+		// breakerOutcome.err passes the sentinels themselves.
 		IsExcluded: func(err error) bool { return err == errBreakerExcluded },
 		// Called with the breaker's lock held: only note the change here;
 		// whoever caused it reports it after the lock is released.
@@ -224,7 +223,7 @@ func (b *breakers) newHost(host string) *hostBreaker {
 // drain returns the changes not yet reported.
 func (hb *hostBreaker) drain() []BreakerChange {
 	// A change noted before this load is seen: it is stored under the
-	// breaker's lock, which the caller's Allow or report has just held.
+	// breaker's lock, which the caller's Execute or State has just held.
 	if !hb.changed.Load() {
 		return nil
 	}
@@ -236,48 +235,43 @@ func (hb *hostBreaker) drain() []BreakerChange {
 	return c
 }
 
-// allow asks host's breaker whether an attempt may be sent at now. If it
-// may, the returned ticket's done must be called exactly once with the
-// attempt's outcome. If not, err wraps ErrCircuitOpen. Either way, changes
-// lists the state changes found while asking (an open breaker turning
-// half-open).
-func (b *breakers) allow(host string, now time.Time) (ticket breakerTicket, changes []BreakerChange, err error) {
+// send sends an attempt to host through its breaker, at now. If the
+// breaker lets the attempt through, send calls attempt and reports to the
+// breaker the outcome attempt returns; a panic in attempt counts as a
+// failure and goes on. If not, attempt is not called and err wraps
+// ErrCircuitOpen. Either way, changes lists the state changes found (an
+// open breaker turning half-open, a failure opening it).
+//
+// It goes through gobreaker's Execute rather than its two-step Allow, whose
+// callback is an allocation per attempt.
+func (b *breakers) send(host string, now time.Time, attempt func() breakerOutcome) (changes []BreakerChange, err error) {
 	hb := b.hosts.Get(host, now)
-	report, err := hb.cb.Allow()
+	_, err = hb.cb.Execute(func() (struct{}, error) {
+		return struct{}{}, attempt().err()
+	})
 	changes = hb.drain()
-	if err != nil {
+	if err == gobreaker.ErrOpenState || err == gobreaker.ErrTooManyRequests {
 		state := "open"
-		if errors.Is(err, gobreaker.ErrTooManyRequests) {
+		if err == gobreaker.ErrTooManyRequests {
 			state = "half-open, probes in flight"
 		}
-		return breakerTicket{}, changes, fmt.Errorf("%w: %s (%s)", ErrCircuitOpen, host, state)
+		return changes, fmt.Errorf("%w: %s (%s)", ErrCircuitOpen, host, state)
 	}
-	return breakerTicket{hb: hb, report: report}, changes, nil
+	// Any other err is attempt's outcome, already reported.
+	return changes, nil
 }
 
-// A breakerTicket is a breaker's admission of one attempt. It is a value,
-// not a closure, so that admitting an attempt costs no allocation beyond
-// the breaker's own.
-type breakerTicket struct {
-	hb     *hostBreaker
-	report func(error) // nil for the zero ticket, which admits nothing
-}
-
-// admitted reports whether the ticket holds an admission not yet settled.
-func (t breakerTicket) admitted() bool { return t.report != nil }
-
-// done reports the attempt's outcome to the breaker and returns the state
-// changes it caused.
-func (t breakerTicket) done(o breakerOutcome) []BreakerChange {
+// err is what the breaker is told of an attempt with outcome o. These are
+// the sentinels themselves, so that IsExcluded can compare them without
+// errors.Is, which is dearer on every attempt.
+func (o breakerOutcome) err() error {
 	switch o {
 	case outcomeSuccess:
-		t.report(nil)
+		return nil
 	case outcomeFailure:
-		t.report(errBreakerFailure)
-	default:
-		t.report(errBreakerExcluded)
+		return errBreakerFailure
 	}
-	return t.hb.drain()
+	return errBreakerExcluded
 }
 
 // state returns the state of host's breaker, without creating one.

@@ -18,13 +18,28 @@ const bHost = "https://a.example:443"
 // It returns whether the attempt was allowed and every change seen.
 func tryBreaker(t *testing.T, b *breakers, o breakerOutcome) (bool, []BreakerChange) {
 	t.Helper()
-	done, changes, err := b.allow(bHost, time.Now())
+	sent := false
+	changes, err := b.send(bHost, time.Now(), func() breakerOutcome {
+		sent = true
+		return o
+	})
 	if err != nil {
 		require.ErrorIs(t, err, ErrCircuitOpen)
-		require.False(t, done.admitted())
+		require.False(t, sent)
 		return false, changes
 	}
-	return true, append(changes, done.done(o)...)
+	require.True(t, sent)
+	return true, changes
+}
+
+// probe is an attempt through a breaker that stays in flight until its
+// outcome is sent on the channel probe returns.
+func probe(b *breakers, host string, changes *[]BreakerChange, errp *error) chan<- breakerOutcome {
+	outcome := make(chan breakerOutcome)
+	go func() {
+		*changes, *errp = b.send(host, time.Now(), func() breakerOutcome { return <-outcome })
+	}()
+	return outcome
 }
 
 func breakerChange(from, to BreakerState) BreakerChange {
@@ -158,34 +173,45 @@ func TestHalfOpenLimitsProbesInFlight(t *testing.T) {
 		tryBreaker(t, b, outcomeFailure)
 		time.Sleep(DefaultBreakerOpenTimeout + time.Nanosecond)
 
-		d1, _, err := b.allow(bHost, time.Now())
-		require.NoError(t, err)
-		d2, _, err := b.allow(bHost, time.Now())
-		require.NoError(t, err)
-		_, _, err = b.allow(bHost, time.Now())
-		require.ErrorIs(t, err, ErrCircuitOpen, "a third probe while two are in flight")
+		var changes1, changes2 []BreakerChange
+		var err1, err2 error
+		p1 := probe(b, bHost, &changes1, &err1)
+		p2 := probe(b, bHost, &changes2, &err2)
+		synctest.Wait() // both in flight
+		allowed, seen := tryBreaker(t, b, outcomeSuccess)
+		assert.False(t, allowed, "a third probe while two are in flight")
+		changes, err := b.send(bHost, time.Now(), func() breakerOutcome { return outcomeSuccess })
 		assert.Contains(t, err.Error(), "half-open")
+		seen = append(seen, changes...)
 
-		assert.Empty(t, d1.done(outcomeSuccess))
-		assert.Equal(t, []BreakerChange{breakerChange(BreakerHalfOpen, BreakerClosed)}, d2.done(outcomeSuccess))
+		p1 <- outcomeSuccess
+		synctest.Wait()
+		require.NoError(t, err1)
+		assert.Equal(t, BreakerHalfOpen, b.state(bHost), "one probe of two succeeded")
+		p2 <- outcomeSuccess
+		synctest.Wait()
+		require.NoError(t, err2)
+		assert.Equal(t, []BreakerChange{breakerChange(BreakerHalfOpen, BreakerClosed)}, changes2, "the last probe closes it")
+		// Each change is reported once, to whoever first saw it.
+		seen = append(append(seen, changes1...), changes2...)
+		assert.Equal(t, []BreakerChange{breakerChange(BreakerOpen, BreakerHalfOpen), breakerChange(BreakerHalfOpen, BreakerClosed)}, seen)
+		assert.Equal(t, BreakerClosed, b.state(bHost))
 	})
 }
 
 func TestBreakersArePerHostAndBounded(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		b := newBreakers(BreakerSettings{ConsecutiveFailures: 1}, 4, time.Minute)
-		done, _, err := b.allow("https://a.example:443", time.Now())
-		require.NoError(t, err)
-		done.done(outcomeFailure)
-		_, _, err = b.allow("https://a.example:443", time.Now())
-		require.ErrorIs(t, err, ErrCircuitOpen)
-		_, _, err = b.allow("https://b.example:443", time.Now())
-		require.NoError(t, err, "another host has its own breaker")
+		send := func(host string, o breakerOutcome) error {
+			_, err := b.send(host, time.Now(), func() breakerOutcome { return o })
+			return err
+		}
+		require.NoError(t, send("https://a.example:443", outcomeFailure))
+		require.ErrorIs(t, send("https://a.example:443", outcomeSuccess), ErrCircuitOpen)
+		require.NoError(t, send("https://b.example:443", outcomeSuccess), "another host has its own breaker")
 
 		for i := range 100 {
-			done, _, err := b.allow("https://h"+string(rune('a'+i%26))+".example:443", time.Now())
-			require.NoError(t, err)
-			done.done(outcomeSuccess)
+			require.NoError(t, send("https://h"+string(rune('a'+i%26))+".example:443", outcomeSuccess))
 		}
 		assert.Equal(t, 4, b.hosts.Len(time.Now()))
 		time.Sleep(time.Minute + time.Nanosecond)
@@ -209,11 +235,10 @@ func TestBreakerConcurrent(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				for range 50 {
-					done, changes, err := b.allow(bHost, time.Now())
-					if err == nil {
+					changes, _ := b.send(bHost, time.Now(), func() breakerOutcome {
 						allowed.Add(1)
-						changes = append(changes, done.done(outcomeFailure)...)
-					}
+						return outcomeFailure
+					})
 					mu.Lock()
 					all = append(all, changes...)
 					mu.Unlock()
@@ -224,6 +249,17 @@ func TestBreakerConcurrent(t *testing.T) {
 		assert.Equal(t, []BreakerChange{breakerChange(BreakerClosed, BreakerOpen)}, all)
 		assert.GreaterOrEqual(t, allowed.Load(), int64(5))
 		assert.LessOrEqual(t, allowed.Load(), int64(5+31), "at most the tripping failures and those already in flight")
+		assert.Equal(t, BreakerOpen, b.state(bHost))
+	})
+}
+
+// An attempt that panics counts as a failure, and the panic goes on.
+func TestBreakerCountsAPanicAsAFailure(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := newBreakers(BreakerSettings{ConsecutiveFailures: 1}, 16, time.Hour)
+		assert.PanicsWithValue(t, "boom", func() {
+			_, _ = b.send(bHost, time.Now(), func() breakerOutcome { panic("boom") })
+		})
 		assert.Equal(t, BreakerOpen, b.state(bHost))
 	})
 }

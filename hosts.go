@@ -5,6 +5,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -58,36 +59,49 @@ func hostKey(u *url.URL) string {
 
 // hostKeys remembers the hostKey of each (scheme, authority) a Transport
 // has seen, so that requests to a known host do not build the same string
-// again. It holds at most max entries and starts afresh when full.
+// again. It holds at most max entries and starts afresh when full. The
+// entry used last is kept apart too: most requests go where the one before
+// went, and comparing two short strings costs less than hashing them
+// under a lock.
 type hostKeys struct {
-	mu  sync.RWMutex
-	m   map[hostID]string
-	max int
+	last atomic.Pointer[hostKeyEntry]
+	mu   sync.RWMutex
+	m    map[hostID]*hostKeyEntry
+	max  int
 }
 
 type hostID struct{ scheme, host string }
 
+// hostKeyEntry is a remembered hostKey. Entries are never changed, so the
+// one in last can be read without a lock.
+type hostKeyEntry struct {
+	id  hostID
+	key string
+}
+
 func newHostKeys(max int) *hostKeys {
-	return &hostKeys{m: make(map[hostID]string), max: max}
+	return &hostKeys{m: make(map[hostID]*hostKeyEntry), max: max}
 }
 
 // get returns hostKey(u).
 func (h *hostKeys) get(u *url.URL) string {
+	if e := h.last.Load(); e != nil && e.id.host == u.Host && e.id.scheme == u.Scheme {
+		return e.key
+	}
 	id := hostID{u.Scheme, u.Host}
 	h.mu.RLock()
-	key, ok := h.m[id]
+	e := h.m[id]
 	h.mu.RUnlock()
-	if ok {
-		return key
+	if e == nil {
+		// Clone: u's strings may share memory with a long request URL.
+		e = &hostKeyEntry{id: hostID{strings.Clone(id.scheme), strings.Clone(id.host)}, key: hostKey(u)}
+		h.mu.Lock()
+		if len(h.m) >= h.max {
+			clear(h.m)
+		}
+		h.m[e.id] = e
+		h.mu.Unlock()
 	}
-	key = hostKey(u)
-	// Clone: u's strings may share memory with a long request URL.
-	id = hostID{strings.Clone(id.scheme), strings.Clone(id.host)}
-	h.mu.Lock()
-	if len(h.m) >= h.max {
-		clear(h.m)
-	}
-	h.m[id] = key
-	h.mu.Unlock()
-	return key
+	h.last.Store(e)
+	return e.key
 }

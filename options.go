@@ -25,7 +25,7 @@ type config struct {
 	keyHeader      string // in canonical form
 	keyedMethods   []string
 	structuredKey  bool
-	newKey         func() (string, error)
+	newKey         func() (string, error) // nil: the Transport's keySource
 	logger         *slog.Logger
 	hook           func(Attempt)
 	attemptTimeout time.Duration
@@ -50,7 +50,6 @@ func newConfig(opts []Option) config {
 		backoff:       FullJitter(DefaultBackoffBase, DefaultBackoffMax),
 		keyHeader:     DefaultKeyHeader,
 		keyedMethods:  []string{http.MethodPost, http.MethodPatch},
-		newKey:        newUUIDv7,
 		maxRetryAfter: DefaultMaxRetryAfter,
 		bodyLimit:     DefaultBodyBufferLimit,
 		breaker:       &BreakerSettings{},
@@ -126,14 +125,10 @@ func WithStructuredKey() Option {
 
 // WithKeyGenerator sets the function that makes new idempotency keys
 // (default: a UUIDv7 string). Keys must be unique per operation; an error
-// stops the request before anything is sent.
+// stops the request before anything is sent. A nil function restores the
+// default.
 func WithKeyGenerator(newKey func() (string, error)) Option {
-	return func(c *config) {
-		if newKey == nil {
-			newKey = newUUIDv7
-		}
-		c.newKey = newKey
-	}
+	return func(c *config) { c.newKey = newKey }
 }
 
 // WithLogger sets a logger for the Transport's decisions: retries at Debug

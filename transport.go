@@ -17,7 +17,12 @@ import (
 // method is keyed), and every attempt it makes carries that key.
 //
 // Transport honours the RoundTripper contract exactly. It never modifies the
-// caller's request: each attempt is sent as a copy with its own header map.
+// caller's request: each attempt is sent as a copy of it. The copy has a
+// header of its own, so that nothing a base transport writes to it can
+// reach the caller or a later attempt, unless the base transport is
+// net/http's own [http.Transport], which only reads a request's header:
+// then an attempt's header shares the caller's values, and is the caller's
+// map itself when the Transport adds no key to it.
 // It closes the caller's request body exactly once on every path, including
 // refusals before any attempt. It returns either a response or an error,
 // never both; a response with a failing status after the last attempt is a
@@ -62,11 +67,16 @@ import (
 // A Transport is safe for concurrent use by multiple goroutines. Configure
 // it with options when it is made; it has no setters.
 type Transport struct {
-	base     http.RoundTripper
-	cfg      config
-	breakers *breakers // nil: no circuit breakers
-	limiters *limiters // nil: no rate limit
-	hostKeys *hostKeys
+	base http.RoundTripper
+	// baseReadsOnly: base is an *http.Transport, which never writes to a
+	// request's header, so an attempt that adds nothing to the caller's
+	// header may send the caller's map itself.
+	baseReadsOnly bool
+	cfg           config
+	breakers      *breakers // nil: no circuit breakers
+	limiters      *limiters // nil: no rate limit
+	hostKeys      *hostKeys
+	keys          *keySource // makes keys, unless cfg.newKey does
 }
 
 // NewTransport returns a Transport that sends attempts through base, or
@@ -76,6 +86,10 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 		base = http.DefaultTransport
 	}
 	t := &Transport{base: base, cfg: newConfig(opts)}
+	_, t.baseReadsOnly = base.(*http.Transport)
+	if t.cfg.newKey == nil {
+		t.keys = new(keySource)
+	}
 	t.hostKeys = newHostKeys(t.cfg.maxHosts)
 	if s := t.cfg.breaker; s != nil {
 		t.breakers = newBreakers(*s, t.cfg.maxHosts, t.cfg.idleHost)
@@ -135,12 +149,15 @@ type call struct {
 	resend    bool   // the request may be sent again after it reached the server
 
 	host     string          // scheme://host:port, for per-host state
-	admitted time.Time       // when the attempt in flight was admitted
-	breaker  breakerTicket   // the breaker's admission of the attempt in flight
+	admitted time.Time       // when the attempt in flight was admitted, or the call began
 	changes  []BreakerChange // breaker changes not yet reported
 }
 
 func (c *call) run() (*http.Response, error) {
+	// One reading of the clock stamps a new key and, unless something may
+	// have waited since, admits the first attempt: on some machines it is
+	// among the dearest calls here.
+	c.admitted = time.Now()
 	if err := c.assignKey(); err != nil {
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
@@ -151,11 +168,10 @@ func (c *call) run() (*http.Response, error) {
 	}
 	var last outcome // the previous attempt, its response body held in memory
 	for n := 1; ; n++ {
-		if reason, err := c.admit(n); err != nil {
+		o, reason, err := c.send(n)
+		if err != nil {
 			return c.refused(n, last, reason, err)
 		}
-		o := c.attempt(n)
-		c.settle(o)
 		if o.unsent {
 			return c.refused(n, last, ReasonBodyNotReplayable, o.err)
 		}
@@ -236,7 +252,12 @@ func (c *call) assignKey() error {
 		key := c.redirectedKey()
 		var err error
 		if key == "" {
-			if key, err = cfg.newKey(); err != nil {
+			if c.t.keys != nil {
+				key, err = c.t.keys.newKey(c.admitted)
+			} else {
+				key, err = cfg.newKey()
+			}
+			if err != nil {
 				return err
 			}
 		}
@@ -280,34 +301,42 @@ func (c *call) redirectedKey() string {
 	return value
 }
 
-// admit readies attempt n: the host's rate limiter must have room for it
-// and its circuit breaker must let it through. The limiter comes first so
-// that a half-open breaker's few probe slots are not held while waiting.
-// When either refuses, admit returns why and an error.
-func (c *call) admit(n int) (Reason, error) {
+// send makes attempt n once the host's rate limiter has room for it and
+// its circuit breaker lets it through, and tells the breaker and the
+// limiter how it went. The limiter comes first so that a half-open
+// breaker's few probe slots are not held while waiting. When either
+// refuses, send returns why and an error, and nothing was sent.
+func (c *call) send(n int) (o outcome, reason Reason, err error) {
 	if l := c.t.limiters; l != nil {
 		if err := l.wait(c.ctx, c.host); err != nil {
 			if errors.Is(err, ErrWaitPastDeadline) {
-				return ReasonWaitPastDeadline, err
+				return o, ReasonWaitPastDeadline, err
 			}
-			return ReasonCanceled, err
+			return o, ReasonCanceled, err
 		}
 	}
 	// One reading of the clock serves the breaker, the budget and the
-	// attempt's start: on some machines it is among the dearest calls here.
-	c.admitted = time.Now()
+	// attempt's start. The first attempt has the call's, unless a rate
+	// limiter or a KeyStore may have made it wait.
+	if n > 1 || c.t.limiters != nil || c.pending {
+		c.admitted = time.Now()
+	}
 	if b := c.t.breakers; b != nil {
-		ticket, changes, err := b.allow(c.host, c.admitted)
+		changes, err := b.send(c.host, c.admitted, func() breakerOutcome {
+			o = c.attempt(n)
+			return c.breakerOutcome(o)
+		})
 		c.noteChanges(changes)
 		if err != nil {
-			return ReasonCircuitOpen, err
+			return o, ReasonCircuitOpen, err
 		}
-		c.breaker = ticket
+	} else {
+		o = c.attempt(n)
 	}
-	if n == 1 {
-		c.t.cfg.budget.recordFirst(c.host, c.admitted)
+	if c.t.limiters != nil && o.resp != nil {
+		c.t.limiters.observe(c.host, o.resp.StatusCode)
 	}
-	return "", nil
+	return o, "", nil
 }
 
 // noteChanges keeps breaker changes to report with the attempt. Almost
@@ -318,25 +347,18 @@ func (c *call) noteChanges(changes []BreakerChange) {
 	}
 }
 
-// settle tells the host's breaker and rate limiter how an attempt went.
-// Network errors and 5xx responses are breaker failures; other responses,
-// 4xx included, are successes; an attempt ended by the caller's own
-// context, or never sent, counts as neither.
-func (c *call) settle(o outcome) {
-	if c.breaker.admitted() {
-		result := outcomeSuccess
-		switch {
-		case o.unsent || (o.err != nil && c.ctx.Err() != nil):
-			result = outcomeIgnored
-		case o.err != nil || o.resp.StatusCode >= 500:
-			result = outcomeFailure
-		}
-		c.noteChanges(c.breaker.done(result))
-		c.breaker = breakerTicket{}
+// breakerOutcome says what an attempt's outcome tells the host's breaker.
+// Network errors and 5xx responses are failures; other responses, 4xx
+// included, are successes; an attempt ended by the caller's own context,
+// or never sent, counts as neither.
+func (c *call) breakerOutcome(o outcome) breakerOutcome {
+	switch {
+	case o.unsent || (o.err != nil && c.ctx.Err() != nil):
+		return outcomeIgnored
+	case o.err != nil || o.resp.StatusCode >= 500:
+		return outcomeFailure
 	}
-	if c.t.limiters != nil && o.resp != nil {
-		c.t.limiters.observe(c.host, o.resp.StatusCode)
-	}
+	return outcomeSuccess
 }
 
 // vetoRetry returns why a retry that decide chose must not be made, or ""
@@ -362,8 +384,11 @@ type outcome struct {
 	unsent  bool // the attempt was not sent: refused, or its body was unavailable
 }
 
-// attempt sends attempt n.
+// attempt sends attempt n, which the host's breaker admitted.
 func (c *call) attempt(n int) outcome {
+	if n == 1 {
+		c.t.cfg.budget.recordFirst(c.host, c.admitted)
+	}
 	o := outcome{ctx: c.ctx, cancel: func() {}}
 	if d := c.t.cfg.attemptTimeout; d > 0 {
 		o.ctx, o.cancel = context.WithTimeout(c.ctx, d)
@@ -373,8 +398,7 @@ func (c *call) attempt(n int) outcome {
 		o.err, o.unsent = err, true
 		return o
 	}
-	r := c.req.WithContext(o.ctx)
-	r.Header = c.attemptHeader()
+	r := c.attemptRequest(o.ctx)
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
@@ -411,6 +435,9 @@ func headerValue(h http.Header, key string) string {
 // one beside it would send two. The canonical spelling costs one lookup;
 // the others are looked for only when it holds no key.
 func callerKey(h http.Header, key string) string {
+	if len(h) == 0 {
+		return ""
+	}
 	if v := headerValue(h, key); v != "" {
 		return v
 	}
@@ -424,33 +451,66 @@ func callerKey(h http.Header, key string) string {
 	return ""
 }
 
-// attemptHeader returns a copy of the caller's header with the key added.
-// Every attempt gets its own, so nothing a base transport does to it can
-// reach the caller or a later attempt. Like http.Header.Clone, it copies all
-// values into one backing array; unlike it, it leaves room for the key.
-func (c *call) attemptHeader() http.Header {
+// keyedRequest is an attempt's copy of the caller's request with room for
+// the key field's value. An http.Request's size class has room to spare
+// for it, so adding a key costs no allocation of its own.
+type keyedRequest struct {
+	http.Request
+	key [1]string
+}
+
+// attemptRequest returns the caller's request as an attempt sends it: a
+// copy with ctx as its context, the key added to its header, and a header
+// of its own unless the base transport only reads the caller's.
+func (c *call) attemptRequest(ctx context.Context) *http.Request {
+	if c.keyValue != "" && ctx == c.ctx {
+		kr := &keyedRequest{Request: *c.req}
+		kr.Header = c.attemptHeader(&kr.key)
+		return &kr.Request
+	}
+	// WithContext is the only way to give a request another context.
+	r := c.req.WithContext(ctx)
+	switch {
+	case c.keyValue != "":
+		r.Header = c.attemptHeader(new([1]string))
+	case !c.t.baseReadsOnly || r.Header == nil:
+		r.Header = c.attemptHeader(nil)
+	}
+	return r
+}
+
+// attemptHeader returns a copy of the caller's header with the key added,
+// its value in keySlot (nil when there is no key to add). Every attempt
+// gets its own, so nothing a base transport does to it can reach the
+// caller or a later attempt. Like http.Header.Clone, it copies all values
+// into one backing array, unless the base transport is net/http's, which
+// only reads them: then the caller's values themselves are shared.
+func (c *call) attemptHeader(keySlot *[1]string) http.Header {
 	src := c.req.Header
-	n := 0
-	for _, vv := range src {
-		n += len(vv)
-	}
-	if c.keyValue != "" {
-		n++
-	}
-	values := make([]string, n)
 	h := make(http.Header, len(src)+1)
-	for k, vv := range src {
-		if vv == nil {
-			h[k] = nil
-			continue
+	if c.t.baseReadsOnly {
+		for k, vv := range src {
+			h[k] = vv
 		}
-		m := copy(values, vv)
-		h[k] = values[:m:m]
-		values = values[m:]
+	} else {
+		n := 0
+		for _, vv := range src {
+			n += len(vv)
+		}
+		values := make([]string, n)
+		for k, vv := range src {
+			if vv == nil {
+				h[k] = nil
+				continue
+			}
+			m := copy(values, vv)
+			h[k] = values[:m:m]
+			values = values[m:]
+		}
 	}
-	if c.keyValue != "" {
-		values[0] = c.keyValue
-		h[c.t.cfg.keyHeader] = values[:1:1]
+	if keySlot != nil {
+		keySlot[0] = c.keyValue
+		h[c.t.cfg.keyHeader] = keySlot[:]
 	}
 	return h
 }

@@ -7,6 +7,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -290,7 +292,7 @@ func TestCallerRequestIsNeverMutated(t *testing.T) {
 		r.Header.Set("X-Scribble", "1")
 		return base.RoundTrip(r)
 	})
-	for _, opts := range [][]Option{nil, {WithAttemptTimeout(10e9)}, {WithStructuredKey()}} {
+	for _, opts := range [][]Option{nil, {WithAttemptTimeout(10e9)}, {WithStructuredKey()}, {WithKeyedMethods()}} {
 		req := post(t, WithOperation(context.Background(), "op"), srv.URL, "body")
 		req.Header.Set("X-Caller", "yes")
 		before := snap(req)
@@ -307,6 +309,100 @@ func TestCallerRequestIsNeverMutated(t *testing.T) {
 		assert.True(t, before.ctx == after.ctx, "context replaced")
 		assert.Equal(t, before.length, after.length)
 		srv.hits.Store(0)
+	}
+}
+
+// An attempt that adds nothing to the header sends the caller's own map
+// only to net/http's Transport, which never writes to it; one that adds a
+// key, or goes to any other base transport, gets a copy, which shares the
+// caller's values only with net/http's Transport. A nil header is never
+// passed on: http.Transport refuses it.
+func TestAttemptSharesTheCallersHeaderOnlyWithNetHTTP(t *testing.T) {
+	srv := newServer(t, status(503), status(200))
+	mapOf := func(h http.Header) uintptr { return reflect.ValueOf(h).Pointer() }
+	tests := []struct {
+		name         string
+		method       string
+		netHTTP      bool
+		nilHdr       bool
+		shared       bool // the caller's map is sent
+		sharedValues bool // the caller's values are sent
+	}{
+		{name: "GET to net/http", method: "GET", netHTTP: true, shared: true, sharedValues: true},
+		{name: "GET with a nil header to net/http", method: "GET", netHTTP: true, nilHdr: true},
+		{name: "keyed POST to net/http", method: "POST", netHTTP: true, sharedValues: true},
+		{name: "GET to another base", method: "GET"},
+		{name: "keyed POST to another base", method: "POST"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv.hits.Store(0)
+			var sent []http.Header
+			base := newBaseTransport(t)
+			// Proxy is called with each request net/http is given.
+			base.Proxy = func(r *http.Request) (*url.URL, error) {
+				sent = append(sent, r.Header)
+				return nil, nil
+			}
+			var rt http.RoundTripper = base
+			if !tt.netHTTP {
+				rt = roundTripFunc(base.RoundTrip)
+			}
+			req, err := http.NewRequest(tt.method, srv.URL, nil)
+			require.NoError(t, err)
+			req.Header.Set("X-Caller", "yes")
+			if tt.nilHdr {
+				req.Header = nil
+			}
+			before := req.Header.Clone()
+
+			resp := do(t, NewTransport(rt, WithBackoff(noWait)), req)
+			assert.Equal(t, 200, resp.StatusCode)
+			require.Len(t, sent, 2, "two attempts")
+			var keys []string
+			for i, h := range sent {
+				require.NotNil(t, h, "attempt %d", i+1)
+				assert.Equal(t, tt.shared, mapOf(h) == mapOf(req.Header), "attempt %d shares the caller's map", i+1)
+				if !tt.nilHdr {
+					assert.Equal(t, tt.sharedValues, &h["X-Caller"][0] == &req.Header["X-Caller"][0],
+						"attempt %d shares the caller's values", i+1)
+				}
+				if tt.method == "POST" {
+					keys = append(keys, h.Get("Idempotency-Key"))
+				}
+			}
+			if tt.method == "POST" {
+				require.Len(t, keys, 2)
+				assert.NotEmpty(t, keys[0])
+				assert.Equal(t, keys[0], keys[1], "one key for both attempts")
+			}
+			assert.Equal(t, before, req.Header, "caller's header unchanged")
+		})
+	}
+}
+
+// A base transport that overwrites the key's value in place reaches
+// neither the caller nor the next attempt: each attempt has its own.
+func TestScribbledKeyDoesNotReachTheNextAttempt(t *testing.T) {
+	srv := newServer(t, status(503), status(200))
+	base := newBaseTransport(t)
+	var keys []string
+	scribbler := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		vv := r.Header["Idempotency-Key"]
+		require.Len(t, vv, 1)
+		keys = append(keys, vv[0])
+		vv[0] = "scribbled"
+		return base.RoundTrip(r)
+	})
+	for _, opts := range [][]Option{nil, {WithAttemptTimeout(10e9)}} {
+		keys = nil
+		srv.hits.Store(0)
+		req := post(t, context.Background(), srv.URL, "body")
+		do(t, NewTransport(scribbler, append(opts, WithBackoff(noWait))...), req)
+		require.Len(t, keys, 2)
+		assert.NotEqual(t, "scribbled", keys[1])
+		assert.Equal(t, keys[0], keys[1])
+		assert.Empty(t, req.Header)
 	}
 }
 

@@ -8,7 +8,6 @@
 package hostmap
 
 import (
-	"container/list"
 	"sync"
 	"time"
 )
@@ -21,14 +20,18 @@ type Map[V any] struct {
 	create   func(host string) V
 
 	mu    sync.Mutex
-	byKey map[string]*list.Element
-	lru   list.List // of *entry[V], most recently used at the front
+	byKey map[string]*entry[V]
+	// The entries in order of use, most recent at the front. The list is
+	// threaded through the entries themselves: a lookup of the host at the
+	// front, the common case, then touches only the Map and that entry.
+	front, back *entry[V]
 }
 
 type entry[V any] struct {
-	host     string
-	value    V
-	lastUsed time.Time
+	host       string
+	value      V
+	lastUsed   time.Time
+	prev, next *entry[V] // toward the front, toward the back
 }
 
 // New returns an empty Map holding at most capacity hosts (at least one)
@@ -44,7 +47,7 @@ func New[V any](capacity int, idle time.Duration, create func(host string) V) *M
 		capacity: capacity,
 		idle:     idle,
 		create:   create,
-		byKey:    make(map[string]*list.Element),
+		byKey:    make(map[string]*entry[V]),
 	}
 }
 
@@ -55,24 +58,25 @@ func (m *Map[V]) Get(host string, now time.Time) V {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.evict(now)
-	el := m.lru.Front()
-	if el == nil || el.Value.(*entry[V]).host != host {
+	e := m.front
+	if e == nil || e.host != host {
 		// Most calls repeat the last host, which is at the front; only
 		// the others pay for hashing it.
-		el = m.byKey[host]
-	}
-	if el != nil {
-		e := el.Value.(*entry[V])
-		if now.After(e.lastUsed) {
-			e.lastUsed = now
+		e = m.byKey[host]
+		if e == nil {
+			e = &entry[V]{host: host, value: m.create(host), lastUsed: now}
+			m.byKey[host] = e
+			m.pushFront(e)
+			for len(m.byKey) > m.capacity {
+				m.remove(m.back)
+			}
+			return e.value
 		}
-		m.lru.MoveToFront(el)
-		return e.value
+		m.unlink(e)
+		m.pushFront(e)
 	}
-	e := &entry[V]{host: host, value: m.create(host), lastUsed: now}
-	m.byKey[host] = m.lru.PushFront(e)
-	for m.lru.Len() > m.capacity {
-		m.remove(m.lru.Back())
+	if now.After(e.lastUsed) {
+		e.lastUsed = now
 	}
 	return e.value
 }
@@ -81,8 +85,8 @@ func (m *Map[V]) Get(host string, now time.Time) V {
 func (m *Map[V]) Peek(host string) (v V, ok bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if el, ok := m.byKey[host]; ok {
-		return el.Value.(*entry[V]).value, true
+	if e, ok := m.byKey[host]; ok {
+		return e.value, true
 	}
 	return v, false
 }
@@ -92,7 +96,7 @@ func (m *Map[V]) Len(now time.Time) int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.evict(now)
-	return m.lru.Len()
+	return len(m.byKey)
 }
 
 // evict forgets the hosts idle at now. The list is ordered by use, so it
@@ -101,17 +105,43 @@ func (m *Map[V]) evict(now time.Time) {
 	if m.idle <= 0 {
 		return
 	}
-	for el := m.lru.Back(); el != nil; el = m.lru.Back() {
+	for e := m.back; e != nil; e = m.back {
 		// Sub of two monotonic readings is a subtraction; now.Add(-idle)
 		// would rebuild a Time on every call.
-		if now.Sub(el.Value.(*entry[V]).lastUsed) <= m.idle {
+		if now.Sub(e.lastUsed) <= m.idle {
 			return
 		}
-		m.remove(el)
+		m.remove(e)
 	}
 }
 
-func (m *Map[V]) remove(el *list.Element) {
-	delete(m.byKey, el.Value.(*entry[V]).host)
-	m.lru.Remove(el)
+func (m *Map[V]) remove(e *entry[V]) {
+	delete(m.byKey, e.host)
+	m.unlink(e)
+}
+
+// pushFront puts e, which is in no list, at the front.
+func (m *Map[V]) pushFront(e *entry[V]) {
+	e.next = m.front
+	if m.front != nil {
+		m.front.prev = e
+	} else {
+		m.back = e
+	}
+	m.front = e
+}
+
+// unlink takes e out of the list.
+func (m *Map[V]) unlink(e *entry[V]) {
+	if e.prev != nil {
+		e.prev.next = e.next
+	} else {
+		m.front = e.next
+	}
+	if e.next != nil {
+		e.next.prev = e.prev
+	} else {
+		m.back = e.prev
+	}
+	e.prev, e.next = nil, nil
 }

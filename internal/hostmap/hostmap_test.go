@@ -2,6 +2,8 @@ package hostmap
 
 import (
 	"fmt"
+	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -108,4 +110,45 @@ func TestManyHostsStayBounded(t *testing.T) {
 	wg.Wait()
 	assert.LessOrEqual(t, m.Len(t0), 64)
 	assert.GreaterOrEqual(t, created.Load(), int64(goroutines*perGoroutine))
+}
+
+// Random uses against a plain model of the same rules: the hosts held, and
+// their order of use, always match.
+func TestGetMatchesModel(t *testing.T) {
+	const capacity, idle = 3, 5 * time.Second
+	m := New(capacity, idle, func(host string) string { return host })
+	var model []string // most recently used first
+	lastUsed := map[string]time.Time{}
+	now := t0
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range 5000 {
+		now = now.Add(time.Duration(rng.IntN(3000)) * time.Millisecond)
+		host := fmt.Sprintf("h%d", rng.IntN(6))
+		require.Equal(t, host, m.Get(host, now))
+
+		// The model: forget idle hosts, move or add host to the front,
+		// drop the least recently used beyond capacity.
+		kept := model[:0]
+		for _, h := range model {
+			if now.Sub(lastUsed[h]) <= idle {
+				kept = append(kept, h)
+			}
+		}
+		model = append([]string{host}, slices.DeleteFunc(kept, func(h string) bool { return h == host })...)
+		model = model[:min(len(model), capacity)]
+		lastUsed[host] = now
+
+		var got []string
+		for e := m.front; e != nil; e = e.next {
+			got = append(got, e.host)
+		}
+		require.Equal(t, model, got, "step %d", i)
+		var back []string
+		for e := m.back; e != nil; e = e.prev {
+			back = append(back, e.host)
+		}
+		slices.Reverse(back)
+		require.Equal(t, got, back, "step %d: links both ways", i)
+		require.Len(t, m.byKey, len(model))
+	}
 }
