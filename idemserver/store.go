@@ -292,9 +292,11 @@ type PackedClaim struct {
 	TakeOver     bool
 	ExpiredToken string
 	// NewToken, when not nil, makes the lease token in place of
-	// Claim.Token. The store calls it once, and only when the claim
-	// succeeds, so that a claim that finds a record costs no token; it
-	// reports the token in [PackedClaimResult.Token].
+	// Claim.Token. The store calls it at most once; one that can calls it
+	// only when the claim succeeds, so that a claim that finds a record
+	// costs no token (a store whose claim is one statement that carries
+	// the token calls it first). It reports the token of a successful claim
+	// in [PackedClaimResult.Token].
 	NewToken func() string
 	// IgnoreEvictions says that no one will look at the result's
 	// Evictions, so that the store need not list them.

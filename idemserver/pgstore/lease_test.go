@@ -191,7 +191,7 @@ func TestUnreadableResponseFailsClosed(t *testing.T) {
 	db := newTestDB(t, 4)
 	s := db.newStore(t)
 	future := respcodec.Encode(&idemserver.Response{Status: 201, Body: []byte("x")})
-	future[0] = respcodec.Version + 1
+	future[0] = respcodec.PackedVersion + 1
 	_, err := db.ExecContext(t.Context(), "INSERT INTO "+s.table.quoted()+
 		" VALUES ('', 'k', $1, 't', now() + interval '1 hour', $2)", fingerprintOf("b"), future)
 	require.NoError(t, err)

@@ -97,10 +97,14 @@
 //
 // A response is kept in a bytea column in a compact binary form whose
 // first byte is its format version (see internal/respcodec), so a later
-// release reads what an earlier one wrote. A response written by a release
-// with a newer format, or damaged, is not guessed at: Claim fails with an
-// error that says so, and the middleware answers 503 until the record
-// expires or a release that reads it is deployed.
+// release reads what an earlier one wrote. The store implements
+// [idemserver.PackedStore]: it writes version 2, the middleware's own
+// packed form of the response, which a replay writes out as it is, without
+// decoding it into a Response and packing it again; it reads version 1 as
+// well. A response written by a release with a newer format, or damaged,
+// is not guessed at: Claim fails with an error that says so, and the
+// middleware answers 503 until the record expires or a release that reads
+// it is deployed.
 //
 // # Expired rows
 //
@@ -213,35 +217,80 @@ const maxClaimRuns = 8
 // Claim implements [idemserver.Store] in one round trip, or two when the
 // row found has expired and is replaced.
 func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
-	if err := s.checkClock(c); err != nil {
-		return idemserver.ClaimResult{}, err
-	}
-	if s.transactional {
-		return s.claimTx(ctx, c)
-	}
-	return s.claim(ctx, s.db, c)
+	res, stored, err := s.claimAny(ctx, c, false, "")
+	return s.decoded(c.Key, res, stored, err)
 }
 
 // TakeOver implements [idemserver.Store]: it replaces the row if it still
 // holds expiredToken and its lease has ended by the database's clock, and
 // otherwise claims the key as Claim does.
 func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	res, stored, err := s.claimAny(ctx, c, true, expiredToken)
+	return s.decoded(c.Key, res, stored, err)
+}
+
+// ClaimPacked implements [idemserver.PackedStore]: it is Claim, or
+// TakeOver when c.TakeOver is set, and returns the response of a completed
+// record in the packed form in which CompletePacked stored it, checked but
+// not converted. It makes the lease token with c.NewToken, when set,
+// before it sends the claim, which carries the token.
+func (s *Store) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+	claim := c.Claim
+	if c.NewToken != nil {
+		claim.Token = c.NewToken()
+	}
+	res, stored, err := s.claimAny(ctx, claim, c.TakeOver, c.ExpiredToken)
+	if err != nil {
+		return idemserver.PackedClaimResult{}, err
+	}
+	out := idemserver.PackedClaimResult{ClaimResult: res}
+	switch {
+	case res.Claimed:
+		out.Token = claim.Token
+	case stored.Valid:
+		if out.Response, err = respcodec.DecodePacked(stored.String); err != nil {
+			return idemserver.PackedClaimResult{}, s.unreadable(c.Key, err)
+		}
+	}
+	return out, nil
+}
+
+// claimAny claims c.Key, or takes over expiredToken's lease when takeOver
+// is set, and returns the response of a completed record found as stored.
+func (s *Store) claimAny(ctx context.Context, c idemserver.Claim, takeOver bool, expiredToken string) (idemserver.ClaimResult, sql.NullString, error) {
 	if err := s.checkClock(c); err != nil {
-		return idemserver.ClaimResult{}, err
+		return idemserver.ClaimResult{}, sql.NullString{}, err
 	}
 	if s.transactional {
 		// A claim in transactional mode has no lease to take over: it
 		// ends with its transaction.
 		return s.claimTx(ctx, c)
 	}
-	ok, err := s.replace(ctx, s.db, c, expiredToken)
-	if err != nil {
-		return idemserver.ClaimResult{}, err
-	}
-	if ok {
-		return idemserver.ClaimResult{Claimed: true}, nil
+	if takeOver {
+		ok, err := s.replace(ctx, s.db, c, expiredToken)
+		if err != nil || ok {
+			return idemserver.ClaimResult{Claimed: ok}, sql.NullString{}, err
+		}
 	}
 	return s.claim(ctx, s.db, c)
+}
+
+// decoded returns res with the stored response, if any, decoded into its
+// record.
+func (s *Store) decoded(key idemserver.Key, res idemserver.ClaimResult, stored sql.NullString, err error) (idemserver.ClaimResult, error) {
+	if err != nil || !stored.Valid {
+		return res, err
+	}
+	if res.Record.Response, err = respcodec.Decode([]byte(stored.String)); err != nil {
+		return idemserver.ClaimResult{}, s.unreadable(key, err)
+	}
+	return res, nil
+}
+
+// unreadable returns the error of a stored response of key that cannot be
+// read.
+func (s *Store) unreadable(key idemserver.Key, err error) error {
+	return fmt.Errorf("pgstore: the stored response of key %q in %s cannot be read: %w", key.Key, s.table.quoted(), err)
 }
 
 // querier is what the store's statements run on: a pool or a transaction.
@@ -250,8 +299,9 @@ type querier interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 }
 
-// claim runs the claim statement on q until it settles.
-func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idemserver.ClaimResult, error) {
+// claim runs the claim statement on q until it settles, and returns the
+// response of a completed record found as stored.
+func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
 	scope, lease := []byte(c.Key.Scope), seconds(c.LeaseExpires.Sub(c.Now))
 	for run := 0; run < maxClaimRuns; run++ {
 		if run > 0 && s.testHookRerun != nil {
@@ -263,7 +313,7 @@ func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idems
 			token       sql.NullString
 			expires     sql.NullTime
 			now         time.Time
-			response    []byte
+			response    sql.NullString
 		)
 		err := q.QueryRowContext(ctx, s.q.claim, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease).
 			Scan(&claimed, &fingerprint, &token, &expires, &now, &response)
@@ -275,34 +325,37 @@ func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idems
 		case retryable(err):
 			continue
 		case err != nil:
-			return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim: %w", err)
+			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: claim: %w", err)
 		case claimed:
-			return idemserver.ClaimResult{Claimed: true}, nil
+			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
 		}
-		if response != nil && !expires.Time.After(now) {
+		if response.Valid && !expires.Time.After(now) {
 			// A completed record that expired counts as absent: replace
 			// it, unless someone else did first.
 			ok, err := s.replace(ctx, q, c, token.String)
-			if err != nil {
-				return idemserver.ClaimResult{}, err
-			}
-			if ok {
-				return idemserver.ClaimResult{Claimed: true}, nil
+			if err != nil || ok {
+				return idemserver.ClaimResult{Claimed: ok}, sql.NullString{}, err
 			}
 			continue
 		}
-		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now), response)
+		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now), response.Valid)
 		if err != nil {
-			return idemserver.ClaimResult{}, err
+			return idemserver.ClaimResult{}, sql.NullString{}, err
 		}
-		return idemserver.ClaimResult{Record: rec}, nil
+		return idemserver.ClaimResult{Record: rec}, response, nil
 	}
-	return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
+	return idemserver.ClaimResult{}, sql.NullString{}, s.unsettled(c)
 }
 
-// record builds the Record of a row found by a claim c, whose expires_at
-// is remaining from the database's now().
-func (s *Store) record(c idemserver.Claim, fingerprint []byte, token string, remaining time.Duration, response []byte) (idemserver.Record, error) {
+// unsettled returns the error of a claim that ran its statement
+// maxClaimRuns times without settling.
+func (s *Store) unsettled(c idemserver.Claim) error {
+	return fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
+}
+
+// record builds the Record, without its response, of a row found by a
+// claim c, whose expires_at is remaining from the database's now().
+func (s *Store) record(c idemserver.Claim, fingerprint []byte, token string, remaining time.Duration, completed bool) (idemserver.Record, error) {
 	var rec idemserver.Record
 	if len(fingerprint) != len(rec.Fingerprint) {
 		return rec, fmt.Errorf("pgstore: %s holds a fingerprint of %d bytes for key %q; want %d",
@@ -311,16 +364,11 @@ func (s *Store) record(c idemserver.Claim, fingerprint []byte, token string, rem
 	copy(rec.Fingerprint[:], fingerprint)
 	rec.Token = token
 	at := c.Now.Add(remaining)
-	if response == nil {
+	if completed {
+		rec.Expires = at
+	} else {
 		rec.LeaseExpires = at
-		return rec, nil
 	}
-	resp, err := respcodec.Decode(response)
-	if err != nil {
-		return rec, fmt.Errorf("pgstore: the stored response of key %q in %s cannot be read: %w", c.Key.Key, s.table.quoted(), err)
-	}
-	rec.Response = resp
-	rec.Expires = at
 	return rec, nil
 }
 
@@ -339,7 +387,20 @@ func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, toke
 // expires (measured from now on the store's clock, see [WithClock], and
 // applied to the database's).
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
-	encoded, ttl := respcodec.Encode(resp), seconds(expires.Sub(s.now()))
+	return s.complete(ctx, key, token, idemserver.PackResponse(resp), expires)
+}
+
+// CompletePacked implements [idemserver.PackedStore]: it is Complete, with
+// the response stored in the packed form it is given.
+func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
+	return s.complete(ctx, c.Key, c.Token, c.Response, c.Expires)
+}
+
+// complete stores resp, in version respcodec.PackedVersion, as Complete
+// describes.
+func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, resp idemserver.PackedResponse, expires time.Time) error {
+	encoded := respcodec.AppendPacked(make([]byte, 0, 1+resp.Len()), resp)
+	ttl := seconds(expires.Sub(s.now()))
 	if s.transactional {
 		st := stateOf(ctx, key, token)
 		if st == nil {

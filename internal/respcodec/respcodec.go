@@ -12,6 +12,17 @@
 //	         uvarint len(value), value
 //	body     uvarint len(body), body; nothing follows
 //
+// Version 2 is the middleware's own packed form of a response
+// ([idemserver.PackedResponse]), after the version byte, so that a store
+// that implements [idemserver.PackedStore] keeps and returns what the
+// middleware records and replays without converting it:
+//
+//	version  one byte, 2
+//	packed   the bytes of [idemserver.PackedResponse.AppendBinary]
+//
+// [Append] writes version 1 and [AppendPacked] version 2; [Decode] and
+// [DecodePacked] read both.
+//
 // Decode refuses what it cannot read with certainty: an encoding of a
 // version it does not know fails with an error wrapping [ErrUnknownVersion]
 // (written by a newer release; a store reports it, and the middleware
@@ -33,6 +44,9 @@ import (
 
 // Version is the format version that [Append] writes.
 const Version = 1
+
+// PackedVersion is the format version that [AppendPacked] writes.
+const PackedVersion = 2
 
 // Errors of [Decode]. Use errors.Is to test for them.
 var (
@@ -91,15 +105,56 @@ func Encode(resp *idemserver.Response) []byte {
 	return Append(make([]byte, 0, Size(resp)), resp)
 }
 
-// Decode returns the response that b encodes. The response's body shares
-// b's memory; its header names and values share one new string. A response
-// without header fields has a nil Header, and one without a body a nil Body.
+// AppendPacked appends the encoding of p, in version [PackedVersion], to b
+// and returns the extended buffer.
+func AppendPacked(b []byte, p idemserver.PackedResponse) []byte {
+	b, _ = p.AppendBinary(append(b, PackedVersion)) // AppendBinary never fails
+	return b
+}
+
+// DecodePacked returns, in packed form, the response that s encodes, in
+// either version. The encoding of version 2 is checked and shared, not
+// copied; one of version 1 is decoded and packed anew.
+func DecodePacked(s string) (idemserver.PackedResponse, error) {
+	if len(s) > 0 && s[0] == PackedVersion {
+		return parsePacked(s[1:])
+	}
+	resp, err := Decode([]byte(s))
+	if err != nil {
+		return idemserver.PackedResponse{}, err
+	}
+	return idemserver.PackResponse(resp), nil
+}
+
+// parsePacked returns the packed response s, or an error wrapping
+// ErrCorrupt.
+func parsePacked(s string) (idemserver.PackedResponse, error) {
+	p, err := idemserver.ParsePackedResponse(s)
+	if err != nil {
+		return idemserver.PackedResponse{}, fmt.Errorf("%w: version %d: %v", ErrCorrupt, PackedVersion, err)
+	}
+	return p, nil
+}
+
+// Decode returns the response that b encodes, in either version. The body
+// of a version 1 response shares b's memory, and its header names and
+// values share one new string; a version 2 response shares nothing with b.
+// A response without header fields has a nil Header, and one without a
+// body a nil Body.
 func Decode(b []byte) (*idemserver.Response, error) {
 	if len(b) == 0 {
 		return nil, fmt.Errorf("%w: empty", ErrCorrupt)
 	}
-	if b[0] != Version {
-		return nil, fmt.Errorf("%w %d (this release reads version %d)", ErrUnknownVersion, b[0], Version)
+	switch b[0] {
+	case Version:
+	case PackedVersion:
+		p, err := parsePacked(string(b[1:]))
+		if err != nil {
+			return nil, err
+		}
+		return p.Response(), nil
+	default:
+		return nil, fmt.Errorf("%w %d (this release reads versions %d and %d)", ErrUnknownVersion, b[0], Version, PackedVersion)
 	}
 	d := decoder{b: b, i: 1}
 	status := d.uvarint()
