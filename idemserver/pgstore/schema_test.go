@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"context"
 	"database/sql"
 	"os"
 	"strings"
@@ -57,7 +58,8 @@ func TestMigrate(t *testing.T) {
 	db := newTestDB(t, 8)
 	_, err := db.ExecContext(t.Context(), "CREATE SCHEMA other")
 	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = db.ExecContext(t.Context(), "DROP SCHEMA other CASCADE") })
+	// t.Context is done by the time cleanups run.
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP SCHEMA other CASCADE") })
 
 	for _, name := range []string{DefaultTable, "Mixed_Case", "other.keys"} {
 		t.Run(name, func(t *testing.T) {
