@@ -107,7 +107,8 @@ func newStatements(t tableName) statements {
 			r.Replace(createIndex),
 		},
 		// The claim inserts, or does nothing and reads the row that is
-		// there, in one statement that writes nothing when a row exists.
+		// there, in one statement that writes nothing when a row exists;
+		// a claim that inserted returns a row of NULLs.
 		// Both halves see the statement's snapshot: when a concurrent
 		// claim commits the row after the snapshot was taken, the insert
 		// finds the conflict and the read does not see the row, so no row
@@ -116,11 +117,11 @@ func newStatements(t tableName) statements {
 	INSERT INTO {table} (scope, key, fingerprint, token, expires_at)
 	VALUES ($1, $2, $3, $4, now() + $5::float8 * interval '1 second')
 	ON CONFLICT (scope, key) DO NOTHING
-	RETURNING true AS claimed
+	RETURNING true
 )
-SELECT claimed, NULL::bytea, NULL::text, NULL::timestamptz, now(), NULL::bytea FROM ins
+SELECT NULL::bytea, NULL::text, NULL::float8, NULL::bytea FROM ins
 UNION ALL
-SELECT false, fingerprint, token, expires_at, now(), response FROM {table}
+SELECT ` + rowColumns + ` FROM {table}
 WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)`),
 		// replace takes over a row that has expired, in progress (its
 		// lease ended) or completed (its retention ended), and still holds
@@ -140,7 +141,7 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		extend: r.Replace(`UPDATE {table}
 SET expires_at = now() + $4::float8 * interval '1 second'
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
-		read: r.Replace(`SELECT fingerprint, token, expires_at, now(), response FROM {table}
+		read: r.Replace(`SELECT ` + rowColumns + ` FROM {table}
 WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock, taken without
@@ -153,8 +154,8 @@ WHERE scope = $1 AND key = $2`),
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true AS claimed
 )
-SELECT lock.locked, EXISTS (SELECT FROM ins), r.fingerprint, r.token, r.expires_at, now(), r.response
-FROM lock LEFT JOIN {table} AS r ON r.scope = $1 AND r.key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
+SELECT lock.locked, EXISTS (SELECT FROM ins), ` + rowColumns + `
+FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of
@@ -170,6 +171,12 @@ USING (
 WHERE d.scope = old.scope AND d.key = old.key AND d.expires_at <= now()`),
 	}
 }
+
+// rowColumns are the columns of a record's row that the claim statements
+// return, scanned by [row.dest]; the time left is the seconds from the
+// database's now() to expires_at, so that no clock but the database's
+// is read.
+const rowColumns = `fingerprint, token, extract(epoch FROM expires_at - now())::float8, response`
 
 // The DDL of a store's table; docs/pgstore.md shows the same SQL for
 // DefaultTable.

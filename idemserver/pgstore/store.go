@@ -117,6 +117,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/idemhttp/idemhttp/idemserver"
@@ -302,49 +303,66 @@ type querier interface {
 // claim runs the claim statement on q until it settles, and returns the
 // response of a completed record found as stored.
 func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
-	scope, lease := []byte(c.Key.Scope), seconds(c.LeaseExpires.Sub(c.Now))
+	fp := c.Fingerprint
+	args := []any{[]byte(c.Key.Scope), c.Key.Key, fp[:], c.Token, seconds(c.LeaseExpires.Sub(c.Now))}
+	var r row
 	for run := 0; run < maxClaimRuns; run++ {
 		if run > 0 && s.testHookRerun != nil {
 			s.testHookRerun()
 		}
-		var (
-			claimed     bool
-			fingerprint []byte
-			token       sql.NullString
-			expires     sql.NullTime
-			now         time.Time
-			response    sql.NullString
-		)
-		err := q.QueryRowContext(ctx, s.q.claim, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease).
-			Scan(&claimed, &fingerprint, &token, &expires, &now, &response)
+		r = row{}
+		err := q.QueryRowContext(ctx, s.q.claim, args...).Scan(r.dest()...)
 		switch {
+		case err == nil:
 		case errors.Is(err, sql.ErrNoRows):
 			// A concurrent claim committed the row after this statement's
 			// snapshot: the insert saw it, the read did not.
 			continue
 		case retryable(err):
 			continue
-		case err != nil:
+		default:
 			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: claim: %w", err)
-		case claimed:
-			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
 		}
-		if response.Valid && !expires.Time.After(now) {
+		switch {
+		case !r.token.Valid:
+			// The row of NULLs of a claim that inserted.
+			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
+		case r.expired():
 			// A completed record that expired counts as absent: replace
 			// it, unless someone else did first.
-			ok, err := s.replace(ctx, q, c, token.String)
+			ok, err := s.replace(ctx, q, c, r.token.String)
 			if err != nil || ok {
 				return idemserver.ClaimResult{Claimed: ok}, sql.NullString{}, err
 			}
 			continue
 		}
-		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now), response.Valid)
+		rec, err := s.record(c, &r)
 		if err != nil {
 			return idemserver.ClaimResult{}, sql.NullString{}, err
 		}
-		return idemserver.ClaimResult{Record: rec}, response, nil
+		return idemserver.ClaimResult{Record: rec}, r.response, nil
 	}
 	return idemserver.ClaimResult{}, sql.NullString{}, s.unsettled(c)
+}
+
+// row is a record's row as the claim statements return it (see
+// rowColumns); its token is NULL when there is none.
+type row struct {
+	fingerprint []byte
+	token       sql.NullString
+	remaining   sql.NullFloat64 // seconds from the database's now() to expires_at
+	response    sql.NullString  // as stored; NULL while in progress
+}
+
+// dest returns the scan destinations of rowColumns.
+func (r *row) dest() []any {
+	return []any{&r.fingerprint, &r.token, &r.remaining, &r.response}
+}
+
+// expired reports whether r is a completed record whose retention ended,
+// which counts as absent.
+func (r *row) expired() bool {
+	return r.response.Valid && r.remaining.Float64 <= 0
 }
 
 // unsettled returns the error of a claim that ran its statement
@@ -353,18 +371,18 @@ func (s *Store) unsettled(c idemserver.Claim) error {
 	return fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
 }
 
-// record builds the Record, without its response, of a row found by a
-// claim c, whose expires_at is remaining from the database's now().
-func (s *Store) record(c idemserver.Claim, fingerprint []byte, token string, remaining time.Duration, completed bool) (idemserver.Record, error) {
+// record builds the Record, without its response, of the row r found by
+// a claim c.
+func (s *Store) record(c idemserver.Claim, r *row) (idemserver.Record, error) {
 	var rec idemserver.Record
-	if len(fingerprint) != len(rec.Fingerprint) {
+	if len(r.fingerprint) != len(rec.Fingerprint) {
 		return rec, fmt.Errorf("pgstore: %s holds a fingerprint of %d bytes for key %q; want %d",
-			s.table.quoted(), len(fingerprint), c.Key.Key, len(rec.Fingerprint))
+			s.table.quoted(), len(r.fingerprint), c.Key.Key, len(rec.Fingerprint))
 	}
-	copy(rec.Fingerprint[:], fingerprint)
-	rec.Token = token
-	at := c.Now.Add(remaining)
-	if completed {
+	copy(rec.Fingerprint[:], r.fingerprint)
+	rec.Token = r.token.String
+	at := c.Now.Add(time.Duration(math.Round(r.remaining.Float64*1e6)) * time.Microsecond)
+	if r.response.Valid {
 		rec.Expires = at
 	} else {
 		rec.LeaseExpires = at

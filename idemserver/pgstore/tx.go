@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
-	"time"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 )
@@ -112,21 +111,17 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 		}
 		var (
 			locked, won bool
-			fingerprint []byte
-			token       sql.NullString
-			expires     sql.NullTime
-			now         sql.NullTime
-			response    sql.NullString
+			r           row
 		)
 		err = tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease, s.lockID(c.Key)).
-			Scan(&locked, &won, &fingerprint, &token, &expires, &now, &response)
+			Scan(append([]any{&locked, &won}, r.dest()...)...)
 		switch {
 		case err == nil && won:
 			return claimed(tx)
-		case err == nil && locked && token.Valid && response.Valid && !expires.Time.After(now.Time):
+		case err == nil && locked && r.token.Valid && r.expired():
 			// A completed record that expired: replace it in the
 			// transaction, unless someone else did first.
-			ok, err := s.replace(ctx, tx, c, token.String)
+			ok, err := s.replace(ctx, tx, c, r.token.String)
 			if err == nil && ok {
 				return claimed(tx)
 			}
@@ -151,15 +146,15 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 				Fingerprint:  c.Fingerprint,
 				LeaseExpires: c.LeaseExpires,
 			}}, sql.NullString{}, nil
-		case !token.Valid:
+		case !r.token.Valid:
 			// The row was committed after the statement's snapshot.
 			continue
 		}
-		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now.Time), response.Valid)
+		rec, err := s.record(c, &r)
 		if err != nil {
 			return idemserver.ClaimResult{}, sql.NullString{}, err
 		}
-		return idemserver.ClaimResult{Record: rec}, response, nil
+		return idemserver.ClaimResult{Record: rec}, r.response, nil
 	}
 	return idemserver.ClaimResult{}, sql.NullString{}, s.unsettled(c)
 }
@@ -169,28 +164,21 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 // response it returns as stored, or one in progress in lease mode). An
 // absent or expired row does not.
 func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, bool, error) {
-	var (
-		fingerprint []byte
-		token       string
-		expires     time.Time
-		now         time.Time
-		response    sql.NullString
-	)
-	err := s.db.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).
-		Scan(&fingerprint, &token, &expires, &now, &response)
+	var r row
+	err := s.db.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).Scan(r.dest()...)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		return idemserver.ClaimResult{}, sql.NullString{}, false, nil
 	case err != nil:
 		return idemserver.ClaimResult{}, sql.NullString{}, false, fmt.Errorf("pgstore: claim: %w", err)
-	case response.Valid && !expires.After(now):
+	case r.expired():
 		return idemserver.ClaimResult{}, sql.NullString{}, false, nil
 	}
-	rec, err := s.record(c, fingerprint, token, expires.Sub(now), response.Valid)
+	rec, err := s.record(c, &r)
 	if err != nil {
 		return idemserver.ClaimResult{}, sql.NullString{}, false, err
 	}
-	return idemserver.ClaimResult{Record: rec}, response, true, nil
+	return idemserver.ClaimResult{Record: rec}, r.response, true, nil
 }
 
 // lockID returns the advisory lock of a key: 64 bits of a SHA-256 of the
