@@ -103,3 +103,19 @@ func TestDocumentedSchemaIsMigrate(t *testing.T) {
 		assert.Contains(t, string(doc), q+";\n", "docs/pgstore.md lacks the statement")
 	}
 }
+
+func TestDocumentedStatementsAreTheStores(t *testing.T) {
+	// docs/pgstore.md shows the statements the store sends, over a table
+	// named t; up to white space, they must be the code's.
+	doc, err := os.ReadFile("../../docs/pgstore.md")
+	require.NoError(t, err)
+	oneLine := func(s string) string { return strings.Join(strings.Fields(s), " ") }
+	text := oneLine(string(doc))
+	q := newStatements(tableName{name: "t"})
+	for name, stmt := range map[string]string{
+		"claim": q.claim, "replace": q.replace, "claimTx": q.claimTx, "read": q.read, "sweep": q.sweep,
+	} {
+		stmt = strings.ReplaceAll(stmt, `"t"`, "t")
+		assert.True(t, strings.Contains(text, oneLine(stmt)), "docs/pgstore.md lacks the %s statement:\n%s", name, stmt)
+	}
+}
