@@ -264,6 +264,9 @@ func (s *Store) releaseTx(st *txState) error {
 // sqlState returns the SQLSTATE of an error the server sent, or "" for
 // any other error. Drivers expose it through a method of their error type.
 func sqlState(err error) string {
+	if err == nil {
+		return ""
+	}
 	var e interface{ SQLState() string }
 	if errors.As(err, &e) {
 		return e.SQLState()
