@@ -28,7 +28,8 @@ import (
 // made once and reused, keys made before the clock starts, so that what
 // differs between columns is the middleware and the store. Besides ns/op
 // it reports the 99th percentile latency, the statements sent to the
-// database and the WAL written, per request, and req/s. Run it with
+// database and the WAL written, per request, req/s, and the allocations
+// of the whole process per request. Run it with
 //
 //	scripts/with-postgres.sh go test -run '^$' -bench BenchmarkPaths -benchtime 2000x -count 3 ./idemserver/pgstore/
 func BenchmarkPaths(b *testing.B) {
@@ -179,6 +180,7 @@ func measure(b *testing.B, db *testDB, c int, do func(cl *client, i int)) {
 	}
 	wal := walPosition(b, db.DB)
 	calls := db.calls.Load()
+	b.ReportAllocs()
 	b.ResetTimer()
 	var wg sync.WaitGroup
 	for g := range c {
