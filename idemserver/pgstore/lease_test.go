@@ -3,6 +3,7 @@ package pgstore
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -123,6 +124,44 @@ func TestReplayTakesNoRowLock(t *testing.T) {
 	require.NoError(t, err, "the replay waited for the row lock")
 	require.True(t, res.Record.Completed())
 	assert.Equal(t, 201, res.Record.Response.Status)
+}
+
+func TestReplayProbesTheKeyOnce(t *testing.T) {
+	// The claim reads first: on a replay its insert gets no row to try,
+	// so it does not probe the primary key (and the dead entries that
+	// completed rows leave there) a second time. The plan, run with
+	// ANALYZE, reports what the insert tried.
+	db := newTestDB(t, 4)
+	s := db.newStore(t)
+	c := testClaim("k", time.Hour)
+	_, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now().Add(time.Hour)))
+
+	var plan string
+	require.NoError(t, db.QueryRowContext(t.Context(), "EXPLAIN (ANALYZE, FORMAT JSON) "+s.q.claim,
+		[]byte(""), "k", make([]byte, 32), "replay", 60.0).Scan(&plan))
+	var found bool
+	var walk func(node map[string]any)
+	walk = func(node map[string]any) {
+		if node["Node Type"] == "ModifyTable" {
+			found = true
+			assert.EqualValues(t, 0, node["Conflicting Tuples"], "the insert tried the row: %v", node)
+			assert.EqualValues(t, 0, node["Tuples Inserted"])
+		}
+		children, _ := node["Plans"].([]any)
+		for _, child := range children {
+			walk(child.(map[string]any))
+		}
+	}
+	var doc []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(plan), &doc))
+	walk(doc[0]["Plan"].(map[string]any))
+	require.True(t, found, "no insert in the plan:\n%s", plan)
+
+	var n int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM "+s.table.quoted()+" WHERE token = 'replay'").Scan(&n))
+	assert.Zero(t, n)
 }
 
 func TestRoundTrips(t *testing.T) {

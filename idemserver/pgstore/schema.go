@@ -106,23 +106,28 @@ func newStatements(t tableName) statements {
 			r.Replace(createTable),
 			r.Replace(createIndex),
 		},
-		// The claim inserts, or does nothing and reads the row that is
-		// there, in one statement that writes nothing when a row exists;
-		// a claim that inserted returns a row of NULLs.
-		// Both halves see the statement's snapshot: when a concurrent
-		// claim commits the row after the snapshot was taken, the insert
-		// finds the conflict and the read does not see the row, so no row
+		// The claim reads the key's row and, when there is none,
+		// inserts one, in one statement that writes nothing when a row
+		// exists; a claim that inserted returns a row of NULLs. The read
+		// comes first, so that a replay probes the primary key once and
+		// the insert gets no row to try. Both parts see the statement's
+		// snapshot: when a concurrent claim commits the row after the
+		// snapshot was taken, the read does not see it and the insert
+		// finds the conflict (waiting for that claim's commit), so no row
 		// comes back and the store runs the statement again.
-		claim: r.Replace(`WITH ins AS (
+		claim: r.Replace(`WITH cur AS (
+	SELECT ` + rowColumns + ` FROM {table}
+	WHERE scope = $1 AND key = $2
+), ins AS (
 	INSERT INTO {table} (scope, key, fingerprint, token, expires_at)
-	VALUES ($1, $2, $3, $4, now() + $5::float8 * interval '1 second')
+	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second'
+	WHERE NOT EXISTS (SELECT FROM cur)
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true
 )
 SELECT NULL::bytea, NULL::text, NULL::float8, NULL::bytea FROM ins
 UNION ALL
-SELECT ` + rowColumns + ` FROM {table}
-WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)`),
+SELECT * FROM cur`),
 		// replace takes over a row that has expired, in progress (its
 		// lease ended) or completed (its retention ended), and still holds
 		// the token the caller saw: a compare-and-set.
