@@ -140,7 +140,7 @@ func TestReplayProbesTheKeyOnce(t *testing.T) {
 
 	var plan string
 	require.NoError(t, db.QueryRowContext(t.Context(), "EXPLAIN (ANALYZE, FORMAT JSON) "+s.q.claim,
-		[]byte(""), "k", make([]byte, 32), "replay", 60.0).Scan(&plan))
+		[]byte(""), "k", make([]byte, 32), "replay", 60.0, 60.0).Scan(&plan))
 	var found bool
 	var walk func(node map[string]any)
 	walk = func(node map[string]any) {

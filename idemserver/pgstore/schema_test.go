@@ -80,8 +80,8 @@ func TestMigrate(t *testing.T) {
 			var indexdef string
 			require.NoError(t, db.QueryRowContext(t.Context(),
 				"SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 AND indexname = $3",
-				schema, table, table+"_expires_at").Scan(&indexdef))
-			assert.Contains(t, indexdef, "(expires_at)")
+				schema, table, table+"_sweep_at").Scan(&indexdef))
+			assert.Contains(t, indexdef, "(sweep_at)")
 
 			// The store works on the table it made.
 			c := testClaim("k", 3600e9)
@@ -99,8 +99,8 @@ func TestDocumentedSchemaIsMigrate(t *testing.T) {
 	require.NoError(t, err)
 	s, err := New(&sql.DB{})
 	require.NoError(t, err)
-	for _, q := range s.q.ddl {
-		assert.Contains(t, string(doc), q+";\n", "docs/pgstore.md lacks the statement")
+	for _, q := range append(s.q.ddl, s.q.upgrade...) {
+		assert.True(t, strings.Contains(string(doc), q+";\n"), "docs/pgstore.md lacks the statement\n%s", q)
 	}
 }
 
@@ -117,5 +117,85 @@ func TestDocumentedStatementsAreTheStores(t *testing.T) {
 	} {
 		stmt = strings.ReplaceAll(stmt, `"t"`, "t")
 		assert.True(t, strings.Contains(text, oneLine(stmt)), "docs/pgstore.md lacks the %s statement:\n%s", name, stmt)
+	}
+}
+
+func TestMigrateUpgradesAnEarlierTable(t *testing.T) {
+	// A table of the earlier schema (no sweep_at, an index on expires_at)
+	// gets sweep_at from expires_at, the sweep index instead of the old
+	// one, and works: its expired rows are swept, its live ones kept.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), "CREATE SCHEMA upgraded")
+	require.NoError(t, err)
+	// t.Context is done by the time cleanups run.
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP SCHEMA upgraded CASCADE") })
+
+	for _, name := range []string{"earlier", "upgraded.earlier"} {
+		t.Run(name, func(t *testing.T) {
+			s, err := New(db.DB, WithTable(name))
+			require.NoError(t, err)
+			for _, q := range []string{
+				`CREATE TABLE {table} (
+    scope       bytea       NOT NULL,
+    key         text        NOT NULL,
+    fingerprint bytea       NOT NULL,
+    token       text        NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    response    bytea,
+    PRIMARY KEY (scope, key)
+)`,
+				`CREATE INDEX {old_index} ON {table} (expires_at)`,
+				`INSERT INTO {table} VALUES
+    ('', 'expired', '\x00', 't', now() - interval '1 second', '\x01'),
+    ('', 'live', '\x00', 't', now() + interval '1 hour', '\x01')`,
+			} {
+				q = strings.NewReplacer("{table}", s.table.quoted(), "{old_index}", `"`+s.table.name+`_expires_at"`).Replace(q)
+				_, err := db.ExecContext(t.Context(), q)
+				require.NoError(t, err)
+			}
+
+			require.NoError(t, s.Migrate(t.Context()))
+			require.NoError(t, s.Migrate(t.Context()), "again")
+
+			schema := db.schema
+			if before, _, ok := strings.Cut(name, "."); ok {
+				schema = before
+			}
+			var indexes []string
+			rows, err := db.QueryContext(t.Context(),
+				"SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 ORDER BY indexname", schema, s.table.name)
+			require.NoError(t, err)
+			for rows.Next() {
+				var n string
+				require.NoError(t, rows.Scan(&n))
+				indexes = append(indexes, n)
+			}
+			require.NoError(t, rows.Err())
+			assert.Equal(t, []string{s.table.name + "_pkey", s.table.name + "_sweep_at"}, indexes)
+
+			var behind int
+			require.NoError(t, db.QueryRowContext(t.Context(),
+				"SELECT count(*) FROM "+s.table.quoted()+" WHERE sweep_at IS DISTINCT FROM expires_at").Scan(&behind))
+			assert.Zero(t, behind, "rows whose sweep_at is not their expires_at")
+			var options string
+			require.NoError(t, db.QueryRowContext(t.Context(),
+				"SELECT coalesce(array_to_string(reloptions, ','), '') FROM pg_class WHERE oid = to_regclass($1)",
+				s.table.quoted()).Scan(&options))
+			assert.Equal(t, "fillfactor=80", options)
+
+			n, err := s.Sweep(t.Context(), 10)
+			require.NoError(t, err)
+			assert.Equal(t, 1, n)
+			var left []string
+			rows, err = db.QueryContext(t.Context(), "SELECT key FROM "+s.table.quoted())
+			require.NoError(t, err)
+			for rows.Next() {
+				var k string
+				require.NoError(t, rows.Scan(&k))
+				left = append(left, k)
+			}
+			require.NoError(t, rows.Err())
+			assert.Equal(t, []string{"live"}, left)
+		})
 	}
 }

@@ -109,7 +109,9 @@
 // # Expired rows
 //
 // Expired rows are replaced by the next claim of their key, and otherwise
-// stay until [Store.Sweep] deletes them.
+// stay until [Store.Sweep] deletes them, which it does once their sweep_at
+// passes: a time never before they expire, set a guessed retention past a
+// claim's lease so that the complete is a HOT update (see docs/pgstore.md).
 package pgstore
 
 import (
@@ -118,6 +120,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhttp/idemhttp/idemserver"
@@ -133,6 +136,12 @@ type Store struct {
 	q             statements
 	transactional bool
 	now           func() time.Time
+
+	// retention is the retention the last Complete was given, and until
+	// then idemserver.DefaultTTL: a claim sets its row's sweep_at that
+	// far past the end of its lease, so that its complete need not move
+	// sweep_at (see newStatements).
+	retention atomic.Int64
 
 	// testHookRerun, when set, is called each time a claim statement
 	// is run again; see claim.
@@ -197,7 +206,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now}, nil
+	s := &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now}
+	s.retention.Store(int64(idemserver.DefaultTTL))
+	return s, nil
 }
 
 // checkClock returns an error wrapping ErrClockSkew when c was stamped too
@@ -304,7 +315,8 @@ type querier interface {
 // response of a completed record found as stored.
 func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
 	fp := c.Fingerprint
-	args := []any{[]byte(c.Key.Scope), c.Key.Key, fp[:], c.Token, seconds(c.LeaseExpires.Sub(c.Now))}
+	lease := c.LeaseExpires.Sub(c.Now)
+	args := []any{[]byte(c.Key.Scope), c.Key.Key, fp[:], c.Token, seconds(lease), s.sweepAfter(lease)}
 	var r row
 	for run := 0; run < maxClaimRuns; run++ {
 		if run > 0 && s.testHookRerun != nil {
@@ -365,6 +377,13 @@ func (r *row) expired() bool {
 	return r.response.Valid && r.remaining.Float64 <= 0
 }
 
+// sweepAfter returns, in seconds, how long after a claim with the given
+// lease its row may be swept, unless its complete or an extension moves
+// that later: the lease and the retention guessed for it.
+func (s *Store) sweepAfter(lease time.Duration) float64 {
+	return seconds(lease + time.Duration(s.retention.Load()))
+}
+
 // unsettled returns the error of a claim that ran its statement
 // maxClaimRuns times without settling.
 func (s *Store) unsettled(c idemserver.Claim) error {
@@ -393,8 +412,9 @@ func (s *Store) record(c idemserver.Claim, r *row) (idemserver.Record, error) {
 // replace takes over the row of c.Key for c, provided it still holds
 // token and has expired, and reports whether it did.
 func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, token string) (bool, error) {
+	lease := c.LeaseExpires.Sub(c.Now)
 	n, err := execRows(ctx, q, s.q.replace, []byte(c.Key.Scope), c.Key.Key, c.Fingerprint[:], c.Token,
-		seconds(c.LeaseExpires.Sub(c.Now)), token)
+		seconds(lease), token, s.sweepAfter(lease))
 	if err != nil {
 		return false, fmt.Errorf("pgstore: take over: %w", err)
 	}
@@ -418,7 +438,11 @@ func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletio
 // describes.
 func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, resp idemserver.PackedResponse, expires time.Time) error {
 	encoded := respcodec.AppendPacked(make([]byte, 0, 1+resp.Len()), resp)
-	ttl := seconds(expires.Sub(s.now()))
+	retention := expires.Sub(s.now())
+	if retention > 0 && time.Duration(s.retention.Load()) != retention {
+		s.retention.Store(int64(retention))
+	}
+	ttl := seconds(retention)
 	if s.transactional {
 		st := stateOf(ctx, key, token)
 		if st == nil {

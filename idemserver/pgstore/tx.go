@@ -88,7 +88,7 @@ func stateOf(ctx context.Context, key idemserver.Key, token string) *txState {
 // The insert still settles races with claims that committed after the
 // statement's snapshot, as in lease mode.
 func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
-	scope, lease := []byte(c.Key.Scope), seconds(c.LeaseExpires.Sub(c.Now))
+	scope, lease := []byte(c.Key.Scope), c.LeaseExpires.Sub(c.Now)
 	claimed := func(tx *sql.Tx) (idemserver.ClaimResult, sql.NullString, error) {
 		st := &txState{tx: tx, key: c.Key, token: c.Token}
 		return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, sql.NullString{}, nil
@@ -113,7 +113,7 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			locked, won bool
 			r           row
 		)
-		err = tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease, s.lockID(c.Key)).
+		err = tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
 			Scan(append([]any{&locked, &won}, r.dest()...)...)
 		switch {
 		case err == nil && won:
