@@ -381,7 +381,9 @@ func (r *row) expired() bool {
 // lease its row may be swept, unless its complete or an extension moves
 // that later: the lease and the retention guessed for it.
 func (s *Store) sweepAfter(lease time.Duration) float64 {
-	return seconds(lease + time.Duration(s.retention.Load()))
+	// Added as floats: the sum of two durations can overflow, and a
+	// sweep_at before the lease's end would break its invariant.
+	return seconds(lease) + seconds(time.Duration(s.retention.Load()))
 }
 
 // unsettled returns the error of a claim that ran its statement

@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"fmt"
+	"math"
 	"net/http"
 	"strings"
 	"sync"
@@ -198,4 +199,23 @@ func TestSweepAtNeverBeforeExpiry(t *testing.T) {
 	// The last retention given was an hour: the replacing claim's
 	// sweep_at is that past its lease.
 	assert.InDelta(t, time.Hour.Seconds(), gap("k2").Seconds(), 5, "a replacing claim sets sweep_at anew")
+}
+
+func TestSweepAtOfTheLongestRetention(t *testing.T) {
+	// A retention as long as a time.Duration holds, added to a lease,
+	// must not wrap around and put sweep_at before the lease's end.
+	db := newTestDB(t, 4)
+	s := db.newStore(t)
+	c := testClaim("long", time.Hour)
+	_, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now().Add(math.MaxInt64)))
+
+	c2 := testClaim("after", time.Hour)
+	_, err = s.Claim(t.Context(), c2)
+	require.NoError(t, err)
+	var before bool
+	require.NoError(t, db.QueryRowContext(t.Context(),
+		"SELECT sweep_at < expires_at FROM "+s.table.quoted()+" WHERE key = 'after'").Scan(&before))
+	assert.False(t, before, "sweep_at before the lease's end")
 }
