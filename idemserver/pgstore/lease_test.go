@@ -230,7 +230,7 @@ func TestUnreadableResponseFailsClosed(t *testing.T) {
 	db := newTestDB(t, 4)
 	s := db.newStore(t)
 	future := respcodec.Encode(&idemserver.Response{Status: 201, Body: []byte("x")})
-	future[0] = respcodec.PackedVersion + 1
+	future[0] = respcodec.Version + 1
 	_, err := db.ExecContext(t.Context(), "INSERT INTO "+s.table.quoted()+
 		" VALUES ('', 'k', $1, 't', now() + interval '1 hour', $2)", fingerprintOf("b"), future)
 	require.NoError(t, err)
@@ -261,9 +261,9 @@ var modes = []struct {
 }
 
 func TestResponsesKeptPacked(t *testing.T) {
-	// Through the middleware the store keeps the packed form the middleware
-	// records (format version 2) and replays it as it was sent; Claim reads
-	// the same row back as a Response.
+	// Through the middleware (the PackedStore methods) the store keeps the
+	// response in respcodec's form, translated from the packed one, and
+	// replays it as it was sent; Claim reads the same row as a Response.
 	for _, mode := range modes {
 		t.Run(mode.name, func(t *testing.T) {
 			db := newTestDB(t, 4)
@@ -282,8 +282,11 @@ func TestResponsesKeptPacked(t *testing.T) {
 			var stored []byte
 			require.NoError(t, db.QueryRowContext(t.Context(),
 				"SELECT response FROM "+s.table.quoted()+" WHERE key = 'k'").Scan(&stored))
-			require.NotEmpty(t, stored)
-			assert.Equal(t, byte(respcodec.PackedVersion), stored[0])
+			decoded, err := respcodec.Decode(stored)
+			require.NoError(t, err)
+			assert.Equal(t, http.StatusCreated, decoded.Status)
+			assert.Equal(t, `{"id":1}`, string(decoded.Body))
+			assert.Equal(t, []string{"</a>", "</b>"}, decoded.Header["Link"])
 
 			replay := serveOnce(h, "k")
 			assert.Equal(t, 1, runs)
@@ -305,10 +308,10 @@ func TestResponsesKeptPacked(t *testing.T) {
 	}
 }
 
-func TestFirstFormatStillReplays(t *testing.T) {
-	// A response stored in format version 1, which the store wrote before
-	// it kept the packed form, is still read, by Claim and through the
-	// middleware.
+func TestEncodedResponsesReplay(t *testing.T) {
+	// A response that respcodec.Encode wrote, as the store's Complete did
+	// before the store took packed responses, is read by Claim and through
+	// the middleware's packed path alike.
 	for _, mode := range modes {
 		t.Run(mode.name, func(t *testing.T) {
 			db := newTestDB(t, 4)

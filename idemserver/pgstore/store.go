@@ -98,10 +98,10 @@
 // A response is kept in a bytea column in a compact binary form whose
 // first byte is its format version (see internal/respcodec), so a later
 // release reads what an earlier one wrote. The store implements
-// [idemserver.PackedStore]: it writes version 2, the middleware's own
-// packed form of the response, which a replay writes out as it is, without
-// decoding it into a Response and packing it again; it reads version 1 as
-// well. A response written by a release with a newer format, or damaged,
+// [idemserver.PackedStore]: it translates between that form and the
+// middleware's packed form of a response directly, so that neither a
+// claim nor a replay makes a Response (a header map, its slices and
+// strings) on the way. A response written by a release with a newer format, or damaged,
 // is not guessed at: Claim fails with an error that says so, and the
 // middleware answers 503 until the record expires or a release that reads
 // it is deployed.
@@ -243,8 +243,8 @@ func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken s
 
 // ClaimPacked implements [idemserver.PackedStore]: it is Claim, or
 // TakeOver when c.TakeOver is set, and returns the response of a completed
-// record in the packed form in which CompletePacked stored it, checked but
-// not converted. It makes the lease token with c.NewToken, when set,
+// record packed, translated from the stored form without a Response in
+// between. It makes the lease token with c.NewToken, when set,
 // before it sends the claim, which carries the token.
 func (s *Store) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
 	claim := c.Claim
@@ -260,7 +260,7 @@ func (s *Store) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idem
 	case res.Claimed:
 		out.Token = claim.Token
 	case stored.Valid:
-		if out.Response, err = respcodec.DecodePacked(stored.String); err != nil {
+		if out.Response, err = respcodec.Packed(stored.String); err != nil {
 			return idemserver.PackedClaimResult{}, s.unreadable(c.Key, err)
 		}
 	}
@@ -431,15 +431,26 @@ func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, 
 }
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
-// the response stored in the packed form it is given.
+// the response given packed.
 func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
 	return s.complete(ctx, c.Key, c.Token, c.Response, c.Expires)
 }
 
-// complete stores resp, in version respcodec.PackedVersion, as Complete
-// describes.
+// complete stores resp, encoded without first becoming a Response, as
+// Complete describes.
 func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, resp idemserver.PackedResponse, expires time.Time) error {
-	encoded := respcodec.AppendPacked(make([]byte, 0, 1+resp.Len()), resp)
+	encoded, err := respcodec.AppendPacked(make([]byte, 0, resp.Len()+8), resp)
+	if err != nil {
+		// Not a response: nothing to store. A claim's transaction must
+		// not be left open.
+		err = fmt.Errorf("pgstore: complete: %w", err)
+		if st := stateOf(ctx, key, token); s.transactional && st != nil {
+			st.ended.Store(true)
+			_ = st.tx.Rollback()
+			return s.rolledBack(st, err)
+		}
+		return err
+	}
 	retention := expires.Sub(s.now())
 	if retention > 0 && time.Duration(s.retention.Load()) != retention {
 		s.retention.Store(int64(retention))

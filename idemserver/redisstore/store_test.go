@@ -195,7 +195,7 @@ func TestBadRecords(t *testing.T) {
 			return c.Set(ctx, key, "x", time.Hour).Err()
 		}, nil},
 		{"response of a later version", func(ctx context.Context, c *redis.Client, key string) error {
-			return c.HSet(ctx, key, "f", strings.Repeat("f", 32), "r", "\x03later", "e", "9999999999999999").Err()
+			return c.HSet(ctx, key, "f", strings.Repeat("f", 32), "r", "\x02later", "e", "9999999999999999").Err()
 		}, respcodec.ErrUnknownVersion},
 		{"damaged response", func(ctx context.Context, c *redis.Client, key string) error {
 			return c.HSet(ctx, key, "f", strings.Repeat("f", 32), "r", "\x01", "e", "9999999999999999").Err()

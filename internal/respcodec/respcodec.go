@@ -12,17 +12,6 @@
 //	         uvarint len(value), value
 //	body     uvarint len(body), body; nothing follows
 //
-// Version 2 is the middleware's own packed form of a response
-// ([idemserver.PackedResponse]), after the version byte, so that a store
-// that implements [idemserver.PackedStore] keeps and returns what the
-// middleware records and replays without converting it:
-//
-//	version  one byte, 2
-//	packed   the bytes of [idemserver.PackedResponse.AppendBinary]
-//
-// [Append] writes version 1 and [AppendPacked] version 2; [Decode] and
-// [DecodePacked] read both.
-//
 // Decode refuses what it cannot read with certainty: an encoding of a
 // version it does not know fails with an error wrapping [ErrUnknownVersion]
 // (written by a newer release; a store reports it, and the middleware
@@ -44,9 +33,6 @@ import (
 
 // Version is the format version that [Append] writes.
 const Version = 1
-
-// PackedVersion is the format version that [AppendPacked] writes.
-const PackedVersion = 2
 
 // Errors of [Decode]. Use errors.Is to test for them.
 var (
@@ -105,97 +91,28 @@ func Encode(resp *idemserver.Response) []byte {
 	return Append(make([]byte, 0, Size(resp)), resp)
 }
 
-// AppendPacked appends the encoding of p, in version [PackedVersion], to b
-// and returns the extended buffer.
-func AppendPacked(b []byte, p idemserver.PackedResponse) []byte {
-	b, _ = p.AppendBinary(append(b, PackedVersion)) // AppendBinary never fails
-	return b
-}
-
-// DecodePacked returns, in packed form, the response that s encodes, in
-// either version. The encoding of version 2 is checked and shared, not
-// copied; one of version 1 is decoded and packed anew.
-func DecodePacked(s string) (idemserver.PackedResponse, error) {
-	if len(s) > 0 && s[0] == PackedVersion {
-		return parsePacked(s[1:])
-	}
-	resp, err := Decode([]byte(s))
-	if err != nil {
-		return idemserver.PackedResponse{}, err
-	}
-	return idemserver.PackResponse(resp), nil
-}
-
-// parsePacked returns the packed response s, or an error wrapping
-// ErrCorrupt.
-func parsePacked(s string) (idemserver.PackedResponse, error) {
-	p, err := idemserver.ParsePackedResponse(s)
-	if err != nil {
-		return idemserver.PackedResponse{}, fmt.Errorf("%w: version %d: %v", ErrCorrupt, PackedVersion, err)
-	}
-	return p, nil
-}
-
-// Decode returns the response that b encodes, in either version. The body
-// of a version 1 response shares b's memory, and its header names and
-// values share one new string; a version 2 response shares nothing with b.
-// A response without header fields has a nil Header, and one without a
-// body a nil Body.
+// Decode returns the response that b encodes. The response's body shares
+// b's memory; its header names and values share one new string. A response
+// without header fields has a nil Header, and one without a body a nil Body.
 func Decode(b []byte) (*idemserver.Response, error) {
-	if len(b) == 0 {
-		return nil, fmt.Errorf("%w: empty", ErrCorrupt)
+	l, err := scan(b)
+	if err != nil {
+		return nil, err
 	}
-	switch b[0] {
-	case Version:
-	case PackedVersion:
-		p, err := parsePacked(string(b[1:]))
-		if err != nil {
-			return nil, err
-		}
-		return p.Response(), nil
-	default:
-		return nil, fmt.Errorf("%w %d (this release reads versions %d and %d)", ErrUnknownVersion, b[0], Version, PackedVersion)
-	}
-	d := decoder{b: b, i: 1}
-	status := d.uvarint()
-	if d.err == nil && (status < 100 || status > 999) {
-		d.fail("status %d", status)
-	}
-	flags := d.byte()
-	if d.err == nil && flags&^flagOmitted != 0 {
-		d.fail("unknown flags %#x", flags)
-	}
-	nfields := d.count(2) // a field takes at least two bytes
-	if d.err != nil {
-		return nil, d.err
-	}
-	resp := &idemserver.Response{Status: int(status), BodyOmitted: flags&flagOmitted != 0}
-	if nfields > 0 {
+	resp := &idemserver.Response{Status: int(l.status), BodyOmitted: l.flags&flagOmitted != 0}
+	if l.nfields > 0 {
 		// The names and values become substrings of one string.
-		start := d.i
-		var nvalues int
-		for range nfields {
-			d.bytes()
-			n := d.count(1)
-			nvalues += n
-			for range n {
-				d.bytes()
-			}
-		}
-		if d.err != nil {
-			return nil, d.err
-		}
-		s := string(b[start:d.i])
-		all := make([]string, nvalues)
-		resp.Header = make(http.Header, nfields)
-		d = decoder{b: b, i: start}
+		s := string(b[l.fields:l.fieldsEnd])
+		all := make([]string, l.nvalues)
+		resp.Header = make(http.Header, l.nfields)
+		d := decoder{b: b, i: l.fields}
 		str := func() string {
 			n := int(d.uvarint())
-			v := s[d.i-start : d.i-start+n]
+			v := s[d.i-l.fields : d.i-l.fields+n]
 			d.i += n
 			return v
 		}
-		for range nfields {
+		for range l.nfields {
 			name := str()
 			n := int(d.uvarint())
 			values := all[:n:n]
@@ -203,24 +120,139 @@ func Decode(b []byte) (*idemserver.Response, error) {
 			for j := range values {
 				values[j] = str()
 			}
-			if _, dup := resp.Header[name]; dup {
-				return nil, fmt.Errorf("%w: field %q twice", ErrCorrupt, name)
-			}
 			resp.Header[name] = values
 		}
 	}
-	n := d.uvarint()
-	switch {
-	case d.err != nil:
-		return nil, d.err
-	case n != uint64(len(b)-d.i):
-		return nil, fmt.Errorf("%w: body of %d bytes in %d remaining", ErrCorrupt, n, len(b)-d.i)
-	case n > 0 && resp.BodyOmitted:
-		return nil, fmt.Errorf("%w: a body, and the flag that says it was omitted", ErrCorrupt)
-	case n > 0:
-		resp.Body = b[d.i:len(b):len(b)]
+	if l.body < len(b) {
+		resp.Body = b[l.body:len(b):len(b)]
 	}
 	return resp, nil
+}
+
+// layout is where the parts of a valid encoding lie.
+type layout struct {
+	status            uint64
+	flags             byte
+	nfields, nvalues  int
+	fields, fieldsEnd int // the header fields, as encoded
+	body              int // the body runs from here to the end
+}
+
+// scan checks b as Decode does, and returns its layout.
+func scan(b []byte) (layout, error) {
+	var l layout
+	if len(b) == 0 {
+		return l, fmt.Errorf("%w: empty", ErrCorrupt)
+	}
+	if b[0] != Version {
+		return l, fmt.Errorf("%w %d (this release reads version %d)", ErrUnknownVersion, b[0], Version)
+	}
+	d := decoder{b: b, i: 1}
+	l.status = d.uvarint()
+	if d.err == nil && (l.status < 100 || l.status > 999) {
+		d.fail("status %d", l.status)
+	}
+	l.flags = d.byte()
+	if d.err == nil && l.flags&^flagOmitted != 0 {
+		d.fail("unknown flags %#x", l.flags)
+	}
+	l.nfields = d.count(2) // a field takes at least two bytes
+	l.fields = d.i
+	names := make(map[string]struct{}, min(l.nfields, 64))
+	for range l.nfields {
+		start := d.i
+		d.bytes()
+		if d.err != nil {
+			return l, d.err
+		}
+		name := b[start:d.i]
+		_, w := binary.Uvarint(name)
+		if _, dup := names[string(name[w:])]; dup {
+			return l, fmt.Errorf("%w: field %q twice", ErrCorrupt, name[w:])
+		}
+		names[string(name[w:])] = struct{}{}
+		n := d.count(1)
+		l.nvalues += n
+		for range n {
+			d.bytes()
+		}
+	}
+	l.fieldsEnd = d.i
+	n := d.uvarint()
+	l.body = d.i
+	switch {
+	case d.err != nil:
+		return l, d.err
+	case n != uint64(len(b)-d.i):
+		return l, fmt.Errorf("%w: body of %d bytes in %d remaining", ErrCorrupt, n, len(b)-d.i)
+	case n > 0 && l.flags&flagOmitted != 0:
+		return l, fmt.Errorf("%w: a body, and the flag that says it was omitted", ErrCorrupt)
+	}
+	return l, nil
+}
+
+// Packed returns the response that enc encodes as an
+// [idemserver.PackedResponse], without making it a Response first: the
+// header fields are encoded alike in both forms, so they are copied whole.
+// It checks enc as Decode does. The result has memory of its own.
+//
+// It relies on the packed form that package idemserver documents beside
+// [idemserver.PackedResponse]; the tests check that the translations agree
+// with PackResponse and Response.
+func Packed(enc string) (idemserver.PackedResponse, error) {
+	b := []byte(enc)
+	l, err := scan(b)
+	if err != nil {
+		return idemserver.PackedResponse{}, err
+	}
+	fields, body := b[l.fields:l.fieldsEnd], b[l.body:]
+	p := make([]byte, 0, varint.Len(l.status)+1+varint.Len(uint64(len(fields)))+len(fields)+len(body))
+	p = binary.AppendUvarint(p, l.status)
+	p = append(p, l.flags) // the same bit in both forms
+	p = binary.AppendUvarint(p, uint64(len(fields)))
+	p = append(p, fields...)
+	p = append(p, body...)
+	return idemserver.ParsePackedResponse(string(p))
+}
+
+// AppendPacked appends the encoding of the packed response p to dst, as
+// Append would of p.Response(), without making it a Response first. A zero
+// p, or packed bytes that are not a response, give an error.
+func AppendPacked(dst []byte, p idemserver.PackedResponse) ([]byte, error) {
+	if p.IsZero() {
+		return dst, fmt.Errorf("%w: no response", ErrCorrupt)
+	}
+	packed, _ := p.AppendBinary(nil) // never fails
+	// The packed form: status uvarint, flags byte, uvarint length of the
+	// fields, the fields, then the body.
+	d := decoder{b: packed}
+	status := d.uvarint()
+	flags := d.byte()
+	flen := d.uvarint()
+	if d.err != nil || flen > uint64(len(packed)-d.i) {
+		return dst, fmt.Errorf("%w: packed response", ErrCorrupt)
+	}
+	fields, body := packed[d.i:d.i+int(flen)], packed[d.i+int(flen):]
+	n := 0
+	for f := (decoder{b: fields}); f.i < len(fields); n++ {
+		f.bytes()
+		for range f.uvarint() {
+			f.bytes()
+		}
+		if f.err != nil {
+			return dst, fmt.Errorf("%w: packed response fields", ErrCorrupt)
+		}
+	}
+	if flags&flagOmitted != 0 {
+		body = nil
+	}
+	dst = append(dst, Version)
+	dst = binary.AppendUvarint(dst, status)
+	dst = append(dst, flags)
+	dst = binary.AppendUvarint(dst, uint64(n))
+	dst = append(dst, fields...)
+	dst = binary.AppendUvarint(dst, uint64(len(body)))
+	return append(dst, body...), nil
 }
 
 // decoder reads b from i; the first error sticks and makes every later
