@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 
@@ -206,13 +207,15 @@ func Packed(enc string) (idemserver.PackedResponse, error) {
 		return idemserver.PackedResponse{}, err
 	}
 	fields, body := b[l.fields:l.fieldsEnd], b[l.body:]
-	p := make([]byte, 0, varint.Len(l.status)+1+varint.Len(uint64(len(fields)))+len(fields)+len(body))
-	p = binary.AppendUvarint(p, l.status)
-	p = append(p, l.flags) // the same bit in both forms
-	p = binary.AppendUvarint(p, uint64(len(fields)))
-	p = append(p, fields...)
-	p = append(p, body...)
-	return idemserver.ParsePackedResponse(string(p))
+	var p strings.Builder
+	p.Grow(varint.Len(l.status) + 1 + varint.Len(uint64(len(fields))) + len(fields) + len(body))
+	var n [binary.MaxVarintLen64]byte
+	p.Write(binary.AppendUvarint(n[:0], l.status))
+	p.WriteByte(l.flags) // the same bit in both forms
+	p.Write(binary.AppendUvarint(n[:0], uint64(len(fields))))
+	p.Write(fields)
+	p.Write(body)
+	return idemserver.ParsePackedResponse(p.String())
 }
 
 // AppendPacked appends the encoding of the packed response p to dst, as
