@@ -100,15 +100,23 @@ func TestClaimRerunsWhenItsSnapshotMissesTheRow(t *testing.T) {
 	}
 }
 
+// newCompleted returns a lease-mode store over a new table that holds one
+// record, of key, completed with a 201 kept until expires.
+func newCompleted(t *testing.T, key string, expires time.Time) (*testDB, *Store) {
+	t.Helper()
+	db := newTestDB(t, 4)
+	s := db.newStore(t)
+	c := testClaim(key, time.Hour)
+	_, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, expires))
+	return db, s
+}
+
 func TestReplayTakesNoRowLock(t *testing.T) {
 	// A replay only reads: a transaction holding the row's lock does not
 	// hold it up, as it would an INSERT ... ON CONFLICT DO UPDATE.
-	db := newTestDB(t, 4)
-	s := db.newStore(t)
-	c := testClaim("k", time.Hour)
-	_, err := s.Claim(t.Context(), c)
-	require.NoError(t, err)
-	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now().Add(time.Hour)))
+	db, s := newCompleted(t, "k", time.Now().Add(time.Hour))
 
 	tx, err := db.BeginTx(t.Context(), nil)
 	require.NoError(t, err)
@@ -131,12 +139,7 @@ func TestReplayProbesTheKeyOnce(t *testing.T) {
 	// so it does not probe the primary key (and the dead entries that
 	// completed rows leave there) a second time. The plan, run with
 	// ANALYZE, reports what the insert tried.
-	db := newTestDB(t, 4)
-	s := db.newStore(t)
-	c := testClaim("k", time.Hour)
-	_, err := s.Claim(t.Context(), c)
-	require.NoError(t, err)
-	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now().Add(time.Hour)))
+	db, s := newCompleted(t, "k", time.Now().Add(time.Hour))
 
 	var plan string
 	require.NoError(t, db.QueryRowContext(t.Context(), "EXPLAIN (ANALYZE, FORMAT JSON) "+s.q.claim,

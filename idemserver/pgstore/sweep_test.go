@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"database/sql"
 	"fmt"
 	"math"
 	"net/http"
@@ -43,17 +44,23 @@ FROM generate_series(1, $1) AS i`
 
 func keysIn(t *testing.T, db *testDB, s *Store) []string {
 	t.Helper()
-	rows, err := db.QueryContext(t.Context(), "SELECT key FROM "+s.table.quoted()+" ORDER BY key")
+	return queryStrings(t, db.DB, "SELECT key FROM "+s.table.quoted()+" ORDER BY key")
+}
+
+// queryStrings returns the one text column of the rows that q returns.
+func queryStrings(t *testing.T, db *sql.DB, q string, args ...any) []string {
+	t.Helper()
+	rows, err := db.QueryContext(t.Context(), q, args...)
 	require.NoError(t, err)
 	defer rows.Close()
-	var keys []string
+	var all []string
 	for rows.Next() {
-		var k string
-		require.NoError(t, rows.Scan(&k))
-		keys = append(keys, k)
+		var v string
+		require.NoError(t, rows.Scan(&v))
+		all = append(all, v)
 	}
 	require.NoError(t, rows.Err())
-	return keys
+	return all
 }
 
 func TestSweepInBatches(t *testing.T) {
@@ -204,15 +211,9 @@ func TestSweepAtNeverBeforeExpiry(t *testing.T) {
 func TestSweepAtOfTheLongestRetention(t *testing.T) {
 	// A retention as long as a time.Duration holds, added to a lease,
 	// must not wrap around and put sweep_at before the lease's end.
-	db := newTestDB(t, 4)
-	s := db.newStore(t)
-	c := testClaim("long", time.Hour)
-	_, err := s.Claim(t.Context(), c)
-	require.NoError(t, err)
-	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now().Add(math.MaxInt64)))
-
+	db, s := newCompleted(t, "long", time.Now().Add(math.MaxInt64))
 	c2 := testClaim("after", time.Hour)
-	_, err = s.Claim(t.Context(), c2)
+	_, err := s.Claim(t.Context(), c2)
 	require.NoError(t, err)
 	var before bool
 	require.NoError(t, db.QueryRowContext(t.Context(),
