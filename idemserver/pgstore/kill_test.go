@@ -114,13 +114,20 @@ func killedChild(t *testing.T, db *testDB, mode, table, key string) {
 	_, _ = io.Copy(io.Discard, out)
 }
 
-// post sends a payment with key to h and returns the status and body.
+// post sends a payment with key to h and returns the status and body, and
+// whether it was a replay.
 func post(h http.Handler, key string) (int, string, bool) {
+	w := serveOnce(h, key)
+	return w.Code, w.Body.String(), w.Header().Get(idemserver.ReplayedHeader) == "true"
+}
+
+// serveOnce sends a payment, a POST /pay with body "b", with key to h.
+func serveOnce(h http.Handler, key string) *httptest.ResponseRecorder {
 	w := httptest.NewRecorder()
 	r, _ := http.NewRequest(http.MethodPost, "/pay", strings.NewReader("b"))
 	r.Header.Set("Idempotency-Key", key)
 	h.ServeHTTP(w, r)
-	return w.Code, w.Body.String(), w.Header().Get(idemserver.ReplayedHeader) == "true"
+	return w
 }
 
 func TestKillLeaseMode(t *testing.T) {

@@ -3,6 +3,7 @@ package pgstore
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -99,15 +100,23 @@ func TestClaimRerunsWhenItsSnapshotMissesTheRow(t *testing.T) {
 	}
 }
 
+// newCompleted returns a lease-mode store over a new table that holds one
+// record, of key, completed with a 201 kept until expires.
+func newCompleted(t *testing.T, key string, expires time.Time) (*testDB, *Store) {
+	t.Helper()
+	db := newTestDB(t, 4)
+	s := db.newStore(t)
+	c := testClaim(key, time.Hour)
+	_, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, expires))
+	return db, s
+}
+
 func TestReplayTakesNoRowLock(t *testing.T) {
 	// A replay only reads: a transaction holding the row's lock does not
 	// hold it up, as it would an INSERT ... ON CONFLICT DO UPDATE.
-	db := newTestDB(t, 4)
-	s := db.newStore(t)
-	c := testClaim("k", time.Hour)
-	_, err := s.Claim(t.Context(), c)
-	require.NoError(t, err)
-	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now().Add(time.Hour)))
+	db, s := newCompleted(t, "k", time.Now().Add(time.Hour))
 
 	tx, err := db.BeginTx(t.Context(), nil)
 	require.NoError(t, err)
@@ -123,6 +132,39 @@ func TestReplayTakesNoRowLock(t *testing.T) {
 	require.NoError(t, err, "the replay waited for the row lock")
 	require.True(t, res.Record.Completed())
 	assert.Equal(t, 201, res.Record.Response.Status)
+}
+
+func TestReplayProbesTheKeyOnce(t *testing.T) {
+	// The claim reads first: on a replay its insert gets no row to try,
+	// so it does not probe the primary key (and the dead entries that
+	// completed rows leave there) a second time. The plan, run with
+	// ANALYZE, reports what the insert tried.
+	db, s := newCompleted(t, "k", time.Now().Add(time.Hour))
+
+	var plan string
+	require.NoError(t, db.QueryRowContext(t.Context(), "EXPLAIN (ANALYZE, FORMAT JSON) "+s.q.claim,
+		[]byte(""), "k", make([]byte, 32), "replay", 60.0, 60.0).Scan(&plan))
+	var found bool
+	var walk func(node map[string]any)
+	walk = func(node map[string]any) {
+		if node["Node Type"] == "ModifyTable" {
+			found = true
+			assert.EqualValues(t, 0, node["Conflicting Tuples"], "the insert tried the row: %v", node)
+			assert.EqualValues(t, 0, node["Tuples Inserted"])
+		}
+		children, _ := node["Plans"].([]any)
+		for _, child := range children {
+			walk(child.(map[string]any))
+		}
+	}
+	var doc []map[string]any
+	require.NoError(t, json.Unmarshal([]byte(plan), &doc))
+	walk(doc[0]["Plan"].(map[string]any))
+	require.True(t, found, "no insert in the plan:\n%s", plan)
+
+	var n int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM "+s.table.quoted()+" WHERE token = 'replay'").Scan(&n))
+	assert.Zero(t, n)
 }
 
 func TestRoundTrips(t *testing.T) {
@@ -208,6 +250,98 @@ func TestUnreadableResponseFailsClosed(t *testing.T) {
 	h.ServeHTTP(w, r)
 	assert.Equal(t, http.StatusServiceUnavailable, w.Code)
 	assert.Zero(t, runs)
+}
+
+var _ idemserver.PackedStore = (*Store)(nil)
+
+// modes are the store's two modes, as options of New.
+var modes = []struct {
+	name string
+	opts []Option
+}{
+	{"lease", nil},
+	{"transactional", []Option{WithTransactional()}},
+}
+
+func TestResponsesKeptPacked(t *testing.T) {
+	// Through the middleware (the PackedStore methods) the store keeps the
+	// response in respcodec's form, translated from the packed one, and
+	// replays it as it was sent; Claim reads the same row as a Response.
+	for _, mode := range modes {
+		t.Run(mode.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			s := db.newStore(t, mode.opts...)
+			runs := 0
+			h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs++
+				w.Header().Set("Content-Type", "application/json")
+				w.Header()["Link"] = []string{"</a>", "</b>"}
+				w.WriteHeader(http.StatusCreated)
+				_, _ = w.Write([]byte(`{"id":1}`))
+			}))
+			first := serveOnce(h, "k")
+			require.Equal(t, http.StatusCreated, first.Code)
+
+			var stored []byte
+			require.NoError(t, db.QueryRowContext(t.Context(),
+				"SELECT response FROM "+s.table.quoted()+" WHERE key = 'k'").Scan(&stored))
+			decoded, err := respcodec.Decode(stored)
+			require.NoError(t, err)
+			assert.Equal(t, http.StatusCreated, decoded.Status)
+			assert.Equal(t, `{"id":1}`, string(decoded.Body))
+			assert.Equal(t, []string{"</a>", "</b>"}, decoded.Header["Link"])
+
+			replay := serveOnce(h, "k")
+			assert.Equal(t, 1, runs)
+			assert.Equal(t, first.Code, replay.Code)
+			assert.Equal(t, first.Body.String(), replay.Body.String())
+			assert.Equal(t, []string{"</a>", "</b>"}, replay.Header()["Link"])
+			assert.Equal(t, "application/json", replay.Header().Get("Content-Type"))
+			assert.Equal(t, "true", replay.Header().Get(idemserver.ReplayedHeader))
+
+			c := testClaim("k", time.Hour)
+			c.Fingerprint = idemserver.Fingerprint(fingerprintOf("b"))
+			res, err := s.Claim(t.Context(), c)
+			require.NoError(t, err)
+			require.True(t, res.Record.Completed())
+			assert.Equal(t, http.StatusCreated, res.Record.Response.Status)
+			assert.Equal(t, `{"id":1}`, string(res.Record.Response.Body))
+			assert.Equal(t, []string{"</a>", "</b>"}, res.Record.Response.Header["Link"])
+		})
+	}
+}
+
+func TestEncodedResponsesReplay(t *testing.T) {
+	// A response that respcodec.Encode wrote, as the store's Complete did
+	// before the store took packed responses, is read by Claim and through
+	// the middleware's packed path alike.
+	for _, mode := range modes {
+		t.Run(mode.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			s := db.newStore(t, mode.opts...)
+			v1 := respcodec.Encode(&idemserver.Response{Status: http.StatusCreated,
+				Header: http.Header{"Location": {"/pay/7"}}, Body: []byte("seven")})
+			require.Equal(t, byte(1), v1[0])
+			_, err := db.ExecContext(t.Context(), "INSERT INTO "+s.table.quoted()+
+				" VALUES ('', 'k', $1, 't', now() + interval '1 hour', $2)", fingerprintOf("b"), v1)
+			require.NoError(t, err)
+
+			runs := 0
+			h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { runs++ }))
+			w := serveOnce(h, "k")
+			assert.Zero(t, runs)
+			assert.Equal(t, http.StatusCreated, w.Code)
+			assert.Equal(t, "seven", w.Body.String())
+			assert.Equal(t, "/pay/7", w.Header().Get("Location"))
+
+			c := testClaim("k", time.Hour)
+			c.Fingerprint = idemserver.Fingerprint(fingerprintOf("b"))
+			res, err := s.Claim(t.Context(), c)
+			require.NoError(t, err)
+			require.True(t, res.Record.Completed())
+			assert.Equal(t, "seven", string(res.Record.Response.Body))
+		})
+	}
 }
 
 // fingerprintOf returns the fingerprint the middleware computes for a

@@ -16,7 +16,8 @@ const DefaultTable = "idempotency_keys"
 var ErrInvalidTable = errors.New("pgstore: invalid table name")
 
 // maxTableName is the longest table name accepted: PostgreSQL truncates
-// identifiers to 63 bytes, and the index name adds "_expires_at" to it.
+// identifiers to 63 bytes, and index names add "_expires_at" (the earlier
+// schema's, which Migrate drops) or "_sweep_at" to it.
 const maxTableName = 63 - len("_expires_at")
 
 // migrateLock is the advisory lock that serializes Migrate across
@@ -75,13 +76,23 @@ func (t tableName) quoted() string {
 	return `"` + t.schema + `"."` + t.name + `"`
 }
 
-// index returns the quoted name of the expiry index; an index lives in its
+// index returns the quoted name of the sweep index; an index lives in its
 // table's schema.
-func (t tableName) index() string { return `"` + t.name + `_expires_at"` }
+func (t tableName) index() string { return `"` + t.name + `_sweep_at"` }
+
+// oldIndex returns the quoted name, with its schema, of the earlier
+// schema's expiry index.
+func (t tableName) oldIndex() string {
+	if t.schema == "" {
+		return `"` + t.name + `_expires_at"`
+	}
+	return `"` + t.schema + `"."` + t.name + `_expires_at"`
+}
 
 // statements holds the SQL of one table.
 type statements struct {
 	ddl      []string
+	upgrade  []string
 	claim    string
 	replace  string
 	complete string
@@ -97,50 +108,72 @@ type statements struct {
 // Every record is a row keyed by (scope, key). A row whose response is
 // NULL is in progress, and its expires_at is the end of its lease; a row
 // with a response is completed, and its expires_at is the end of its
-// retention. Times are the database's: each statement computes them from
-// now() and a duration in seconds.
+// retention. Its sweep_at, on which Sweep finds it, is never before its
+// expires_at: each statement that moves expires_at later moves sweep_at
+// too unless it already lies beyond. A claim sets sweep_at a retention
+// past the end of its lease, so that the complete, which sets the
+// retention, leaves it as it is when the retention is no longer than the
+// one guessed: the complete changes no indexed column and is a HOT update.
+// Times are the database's: each statement computes them from now() and a
+// duration in seconds.
 func newStatements(t tableName) statements {
-	r := strings.NewReplacer("{table}", t.quoted(), "{index}", t.index())
+	r := strings.NewReplacer("{table}", t.quoted(), "{index}", t.index(), "{old_index}", t.oldIndex())
 	return statements{
 		ddl: []string{
 			r.Replace(createTable),
 			r.Replace(createIndex),
 		},
-		// The claim inserts, or does nothing and reads the row that is
-		// there, in one statement that writes nothing when a row exists.
-		// Both halves see the statement's snapshot: when a concurrent
-		// claim commits the row after the snapshot was taken, the insert
-		// finds the conflict and the read does not see the row, so no row
+		upgrade: []string{
+			r.Replace(upgradeColumn),
+			r.Replace(upgradeRows),
+			r.Replace(upgradeFillfactor),
+			r.Replace(createIndex),
+			r.Replace(upgradeDropIndex),
+		},
+		// The claim reads the key's row and, when there is none,
+		// inserts one, in one statement that writes nothing when a row
+		// exists; a claim that inserted returns a row of NULLs. The read
+		// comes first, so that a replay probes the primary key once and
+		// the insert gets no row to try. Both parts see the statement's
+		// snapshot: when a concurrent claim commits the row after the
+		// snapshot was taken, the read does not see it and the insert
+		// finds the conflict (waiting for that claim's commit), so no row
 		// comes back and the store runs the statement again.
-		claim: r.Replace(`WITH ins AS (
-	INSERT INTO {table} (scope, key, fingerprint, token, expires_at)
-	VALUES ($1, $2, $3, $4, now() + $5::float8 * interval '1 second')
+		claim: r.Replace(`WITH cur AS (
+	SELECT ` + rowColumns + ` FROM {table}
+	WHERE scope = $1 AND key = $2
+), ins AS (
+	INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
+	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second', now() + $6::float8 * interval '1 second'
+	WHERE NOT EXISTS (SELECT FROM cur)
 	ON CONFLICT (scope, key) DO NOTHING
-	RETURNING true AS claimed
+	RETURNING true
 )
-SELECT claimed, NULL::bytea, NULL::text, NULL::timestamptz, now(), NULL::bytea FROM ins
+SELECT NULL::bytea, NULL::text, NULL::float8, NULL::bytea FROM ins
 UNION ALL
-SELECT false, fingerprint, token, expires_at, now(), response FROM {table}
-WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)`),
+SELECT * FROM cur`),
 		// replace takes over a row that has expired, in progress (its
 		// lease ended) or completed (its retention ended), and still holds
 		// the token the caller saw: a compare-and-set.
 		replace: r.Replace(`UPDATE {table}
-SET fingerprint = $3, token = $4, expires_at = now() + $5::float8 * interval '1 second', response = NULL
+SET fingerprint = $3, token = $4, expires_at = now() + $5::float8 * interval '1 second', response = NULL,
+	sweep_at = now() + $7::float8 * interval '1 second'
 WHERE scope = $1 AND key = $2 AND token = $6 AND expires_at <= now()`),
 		// complete measures the retention from the statement, not from
 		// now(), the start of its transaction: in transactional mode that
 		// is the claim, and the handler may have run for longer than the
 		// retention since.
 		complete: r.Replace(`UPDATE {table}
-SET response = $4, expires_at = statement_timestamp() + $5::float8 * interval '1 second'
+SET response = $4, expires_at = statement_timestamp() + $5::float8 * interval '1 second',
+	sweep_at = greatest(sweep_at, statement_timestamp() + $5::float8 * interval '1 second')
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		release: r.Replace(`DELETE FROM {table}
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		extend: r.Replace(`UPDATE {table}
-SET expires_at = now() + $4::float8 * interval '1 second'
+SET expires_at = now() + $4::float8 * interval '1 second',
+	sweep_at = greatest(sweep_at, now() + $4::float8 * interval '1 second')
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
-		read: r.Replace(`SELECT fingerprint, token, expires_at, now(), response FROM {table}
+		read: r.Replace(`SELECT ` + rowColumns + ` FROM {table}
 WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock, taken without
@@ -148,13 +181,14 @@ WHERE scope = $1 AND key = $2`),
 		claimTx: r.Replace(`WITH lock AS (
 	SELECT pg_try_advisory_xact_lock($6) AS locked
 ), ins AS (
-	INSERT INTO {table} (scope, key, fingerprint, token, expires_at)
-	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second' FROM lock WHERE locked
+	INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
+	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second', now() + $7::float8 * interval '1 second'
+	FROM lock WHERE locked
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true AS claimed
 )
-SELECT lock.locked, EXISTS (SELECT FROM ins), r.fingerprint, r.token, r.expires_at, now(), r.response
-FROM lock LEFT JOIN {table} AS r ON r.scope = $1 AND r.key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
+SELECT lock.locked, EXISTS (SELECT FROM ins), ` + rowColumns + `
+FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of
@@ -162,14 +196,20 @@ FROM lock LEFT JOIN {table} AS r ON r.scope = $1 AND r.key = $2 AND lock.locked 
 		sweep: r.Replace(`DELETE FROM {table} AS d
 USING (
 	SELECT scope, key FROM {table}
-	WHERE expires_at <= now()
-	ORDER BY expires_at
+	WHERE sweep_at <= now()
+	ORDER BY sweep_at
 	LIMIT $1
 	FOR UPDATE SKIP LOCKED
 ) AS old
 WHERE d.scope = old.scope AND d.key = old.key AND d.expires_at <= now()`),
 	}
 }
+
+// rowColumns are the columns of a record's row that the claim statements
+// return, scanned by [row.dest]; the time left is the seconds from the
+// database's now() to expires_at, so that no clock but the database's
+// is read.
+const rowColumns = `fingerprint, token, extract(epoch FROM expires_at - now())::float8, response`
 
 // The DDL of a store's table; docs/pgstore.md shows the same SQL for
 // DefaultTable.
@@ -181,14 +221,27 @@ const (
     token       text        NOT NULL,
     expires_at  timestamptz NOT NULL,
     response    bytea,
+    sweep_at    timestamptz NOT NULL DEFAULT 'infinity',
     PRIMARY KEY (scope, key)
-)`
-	createIndex = `CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)`
+) WITH (fillfactor = 80)`
+	createIndex = `CREATE INDEX IF NOT EXISTS {index} ON {table} (sweep_at)`
 )
 
-// Migrate creates the store's table and its index unless they exist. It is
-// safe to run at every start, from several instances at once: an advisory
-// lock makes them take turns. Teams that run their own migrations can apply
+// The statements that bring a table of the earlier schema (no sweep_at,
+// an index on expires_at) to this one; Migrate runs them, with createIndex
+// before the last, when the table lacks sweep_at. docs/pgstore.md shows
+// them too.
+const (
+	upgradeColumn     = `ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sweep_at timestamptz NOT NULL DEFAULT 'infinity'`
+	upgradeRows       = `UPDATE {table} SET sweep_at = expires_at WHERE sweep_at = 'infinity'`
+	upgradeFillfactor = `ALTER TABLE {table} SET (fillfactor = 80)`
+	upgradeDropIndex  = `DROP INDEX IF EXISTS {old_index}`
+)
+
+// Migrate creates the store's table and its index unless they exist, and
+// brings a table of the earlier schema (without sweep_at) to this one. It
+// is safe to run at every start, from several instances at once: an
+// advisory lock makes them take turns. Teams that run their own migrations can apply
 // the same SQL, shown in docs/pgstore.md, instead.
 func (s *Store) Migrate(ctx context.Context) error {
 	tx, err := s.db.BeginTx(ctx, nil)
@@ -199,7 +252,19 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrateLock)); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
-	for _, q := range s.q.ddl {
+	// A table of the earlier schema has expires_at and no sweep_at.
+	var earlier bool
+	if err := tx.QueryRowContext(ctx, `SELECT
+	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'expires_at' AND NOT attisdropped) AND
+	NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped)`,
+		s.table.quoted()).Scan(&earlier); err != nil {
+		return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
+	}
+	stmts := s.q.ddl
+	if earlier {
+		stmts = s.q.upgrade
+	}
+	for _, q := range stmts {
 		if _, err := tx.ExecContext(ctx, q); err != nil {
 			return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
 		}

@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"context"
 	"database/sql"
 	"os"
 	"strings"
@@ -57,7 +58,8 @@ func TestMigrate(t *testing.T) {
 	db := newTestDB(t, 8)
 	_, err := db.ExecContext(t.Context(), "CREATE SCHEMA other")
 	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = db.ExecContext(t.Context(), "DROP SCHEMA other CASCADE") })
+	// t.Context is done by the time cleanups run.
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP SCHEMA other CASCADE") })
 
 	for _, name := range []string{DefaultTable, "Mixed_Case", "other.keys"} {
 		t.Run(name, func(t *testing.T) {
@@ -78,8 +80,8 @@ func TestMigrate(t *testing.T) {
 			var indexdef string
 			require.NoError(t, db.QueryRowContext(t.Context(),
 				"SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 AND indexname = $3",
-				schema, table, table+"_expires_at").Scan(&indexdef))
-			assert.Contains(t, indexdef, "(expires_at)")
+				schema, table, table+"_sweep_at").Scan(&indexdef))
+			assert.Contains(t, indexdef, "(sweep_at)")
 
 			// The store works on the table it made.
 			c := testClaim("k", 3600e9)
@@ -97,7 +99,89 @@ func TestDocumentedSchemaIsMigrate(t *testing.T) {
 	require.NoError(t, err)
 	s, err := New(&sql.DB{})
 	require.NoError(t, err)
-	for _, q := range s.q.ddl {
-		assert.Contains(t, string(doc), q+";\n", "docs/pgstore.md lacks the statement")
+	for _, q := range append(s.q.ddl, s.q.upgrade...) {
+		assert.True(t, strings.Contains(string(doc), q+";\n"), "docs/pgstore.md lacks the statement\n%s", q)
+	}
+}
+
+func TestDocumentedStatementsAreTheStores(t *testing.T) {
+	// docs/pgstore.md shows the statements the store sends, over a table
+	// named t; up to white space, they must be the code's.
+	doc, err := os.ReadFile("../../docs/pgstore.md")
+	require.NoError(t, err)
+	oneLine := func(s string) string { return strings.Join(strings.Fields(s), " ") }
+	text := oneLine(string(doc))
+	q := newStatements(tableName{name: "t"})
+	for name, stmt := range map[string]string{
+		"claim": q.claim, "replace": q.replace, "claimTx": q.claimTx, "read": q.read, "sweep": q.sweep,
+	} {
+		stmt = strings.ReplaceAll(stmt, `"t"`, "t")
+		assert.True(t, strings.Contains(text, oneLine(stmt)), "docs/pgstore.md lacks the %s statement:\n%s", name, stmt)
+	}
+}
+
+func TestMigrateUpgradesAnEarlierTable(t *testing.T) {
+	// A table of the earlier schema (no sweep_at, an index on expires_at)
+	// gets sweep_at from expires_at, the sweep index instead of the old
+	// one, and works: its expired rows are swept, its live ones kept.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), "CREATE SCHEMA upgraded")
+	require.NoError(t, err)
+	// t.Context is done by the time cleanups run.
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP SCHEMA upgraded CASCADE") })
+
+	for _, name := range []string{"earlier", "upgraded.earlier"} {
+		t.Run(name, func(t *testing.T) {
+			s, err := New(db.DB, WithTable(name))
+			require.NoError(t, err)
+			// The earlier schema is written out, not derived from
+			// createTable: it is what earlier builds made, whatever this
+			// one makes.
+			for _, q := range []string{
+				`CREATE TABLE {table} (
+    scope       bytea       NOT NULL,
+    key         text        NOT NULL,
+    fingerprint bytea       NOT NULL,
+    token       text        NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    response    bytea,
+    PRIMARY KEY (scope, key)
+)`,
+				`CREATE INDEX {old_index} ON {table} (expires_at)`,
+				`INSERT INTO {table} VALUES
+    ('', 'expired', '\x00', 't', now() - interval '1 second', '\x01'),
+    ('', 'live', '\x00', 't', now() + interval '1 hour', '\x01')`,
+			} {
+				q = strings.NewReplacer("{table}", s.table.quoted(), "{old_index}", `"`+s.table.name+`_expires_at"`).Replace(q)
+				_, err := db.ExecContext(t.Context(), q)
+				require.NoError(t, err)
+			}
+
+			require.NoError(t, s.Migrate(t.Context()))
+			require.NoError(t, s.Migrate(t.Context()), "again")
+
+			schema := db.schema
+			if before, _, ok := strings.Cut(name, "."); ok {
+				schema = before
+			}
+			indexes := queryStrings(t, db.DB,
+				"SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 ORDER BY indexname", schema, s.table.name)
+			assert.Equal(t, []string{s.table.name + "_pkey", s.table.name + "_sweep_at"}, indexes)
+
+			var behind int
+			require.NoError(t, db.QueryRowContext(t.Context(),
+				"SELECT count(*) FROM "+s.table.quoted()+" WHERE sweep_at IS DISTINCT FROM expires_at").Scan(&behind))
+			assert.Zero(t, behind, "rows whose sweep_at is not their expires_at")
+			var options string
+			require.NoError(t, db.QueryRowContext(t.Context(),
+				"SELECT coalesce(array_to_string(reloptions, ','), '') FROM pg_class WHERE oid = to_regclass($1)",
+				s.table.quoted()).Scan(&options))
+			assert.Equal(t, "fillfactor=80", options)
+
+			n, err := s.Sweep(t.Context(), 10)
+			require.NoError(t, err)
+			assert.Equal(t, 1, n)
+			assert.Equal(t, []string{"live"}, keysIn(t, db, s))
+		})
 	}
 }

@@ -97,15 +97,21 @@
 //
 // A response is kept in a bytea column in a compact binary form whose
 // first byte is its format version (see internal/respcodec), so a later
-// release reads what an earlier one wrote. A response written by a release
-// with a newer format, or damaged, is not guessed at: Claim fails with an
-// error that says so, and the middleware answers 503 until the record
-// expires or a release that reads it is deployed.
+// release reads what an earlier one wrote. The store implements
+// [idemserver.PackedStore]: it translates between that form and the
+// middleware's packed form of a response directly, so that neither a
+// claim nor a replay makes a Response (a header map, its slices and
+// strings) on the way. A response written by a release with a newer format, or damaged,
+// is not guessed at: Claim fails with an error that says so, and the
+// middleware answers 503 until the record expires or a release that reads
+// it is deployed.
 //
 // # Expired rows
 //
 // Expired rows are replaced by the next claim of their key, and otherwise
-// stay until [Store.Sweep] deletes them.
+// stay until [Store.Sweep] deletes them, which it does once their sweep_at
+// passes: a time never before they expire, set a guessed retention past a
+// claim's lease so that the complete is a HOT update (see docs/pgstore.md).
 package pgstore
 
 import (
@@ -113,6 +119,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhttp/idemhttp/idemserver"
@@ -128,6 +136,12 @@ type Store struct {
 	q             statements
 	transactional bool
 	now           func() time.Time
+
+	// retention is the retention the last Complete was given, and until
+	// then idemserver.DefaultTTL: a claim sets its row's sweep_at that
+	// far past the end of its lease, so that its complete need not move
+	// sweep_at (see newStatements).
+	retention atomic.Int64
 
 	// testHookRerun, when set, is called each time a claim statement
 	// is run again; see claim.
@@ -192,7 +206,9 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now}, nil
+	s := &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now}
+	s.retention.Store(int64(idemserver.DefaultTTL))
+	return s, nil
 }
 
 // checkClock returns an error wrapping ErrClockSkew when c was stamped too
@@ -213,35 +229,80 @@ const maxClaimRuns = 8
 // Claim implements [idemserver.Store] in one round trip, or two when the
 // row found has expired and is replaced.
 func (s *Store) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
-	if err := s.checkClock(c); err != nil {
-		return idemserver.ClaimResult{}, err
-	}
-	if s.transactional {
-		return s.claimTx(ctx, c)
-	}
-	return s.claim(ctx, s.db, c)
+	res, stored, err := s.claimAny(ctx, c, false, "")
+	return s.decoded(c.Key, res, stored, err)
 }
 
 // TakeOver implements [idemserver.Store]: it replaces the row if it still
 // holds expiredToken and its lease has ended by the database's clock, and
 // otherwise claims the key as Claim does.
 func (s *Store) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	res, stored, err := s.claimAny(ctx, c, true, expiredToken)
+	return s.decoded(c.Key, res, stored, err)
+}
+
+// ClaimPacked implements [idemserver.PackedStore]: it is Claim, or
+// TakeOver when c.TakeOver is set, and returns the response of a completed
+// record packed, translated from the stored form without a Response in
+// between. It makes the lease token with c.NewToken, when set,
+// before it sends the claim, which carries the token.
+func (s *Store) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+	claim := c.Claim
+	if c.NewToken != nil {
+		claim.Token = c.NewToken()
+	}
+	res, stored, err := s.claimAny(ctx, claim, c.TakeOver, c.ExpiredToken)
+	if err != nil {
+		return idemserver.PackedClaimResult{}, err
+	}
+	out := idemserver.PackedClaimResult{ClaimResult: res}
+	switch {
+	case res.Claimed:
+		out.Token = claim.Token
+	case stored.Valid:
+		if out.Response, err = respcodec.Packed(stored.String); err != nil {
+			return idemserver.PackedClaimResult{}, s.unreadable(c.Key, err)
+		}
+	}
+	return out, nil
+}
+
+// claimAny claims c.Key, or takes over expiredToken's lease when takeOver
+// is set, and returns the response of a completed record found as stored.
+func (s *Store) claimAny(ctx context.Context, c idemserver.Claim, takeOver bool, expiredToken string) (idemserver.ClaimResult, sql.NullString, error) {
 	if err := s.checkClock(c); err != nil {
-		return idemserver.ClaimResult{}, err
+		return idemserver.ClaimResult{}, sql.NullString{}, err
 	}
 	if s.transactional {
 		// A claim in transactional mode has no lease to take over: it
 		// ends with its transaction.
 		return s.claimTx(ctx, c)
 	}
-	ok, err := s.replace(ctx, s.db, c, expiredToken)
-	if err != nil {
-		return idemserver.ClaimResult{}, err
-	}
-	if ok {
-		return idemserver.ClaimResult{Claimed: true}, nil
+	if takeOver {
+		ok, err := s.replace(ctx, s.db, c, expiredToken)
+		if err != nil || ok {
+			return idemserver.ClaimResult{Claimed: ok}, sql.NullString{}, err
+		}
 	}
 	return s.claim(ctx, s.db, c)
+}
+
+// decoded returns res with the stored response, if any, decoded into its
+// record.
+func (s *Store) decoded(key idemserver.Key, res idemserver.ClaimResult, stored sql.NullString, err error) (idemserver.ClaimResult, error) {
+	if err != nil || !stored.Valid {
+		return res, err
+	}
+	if res.Record.Response, err = respcodec.Decode([]byte(stored.String)); err != nil {
+		return idemserver.ClaimResult{}, s.unreadable(key, err)
+	}
+	return res, nil
+}
+
+// unreadable returns the error of a stored response of key that cannot be
+// read.
+func (s *Store) unreadable(key idemserver.Key, err error) error {
+	return fmt.Errorf("pgstore: the stored response of key %q in %s cannot be read: %w", key.Key, s.table.quoted(), err)
 }
 
 // querier is what the store's statements run on: a pool or a transaction.
@@ -250,85 +311,112 @@ type querier interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
 }
 
-// claim runs the claim statement on q until it settles.
-func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idemserver.ClaimResult, error) {
-	scope, lease := []byte(c.Key.Scope), seconds(c.LeaseExpires.Sub(c.Now))
+// claim runs the claim statement on q until it settles, and returns the
+// response of a completed record found as stored.
+func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
+	fp := c.Fingerprint
+	lease := c.LeaseExpires.Sub(c.Now)
+	args := []any{[]byte(c.Key.Scope), c.Key.Key, fp[:], c.Token, seconds(lease), s.sweepAfter(lease)}
+	var r row
 	for run := 0; run < maxClaimRuns; run++ {
 		if run > 0 && s.testHookRerun != nil {
 			s.testHookRerun()
 		}
-		var (
-			claimed     bool
-			fingerprint []byte
-			token       sql.NullString
-			expires     sql.NullTime
-			now         time.Time
-			response    []byte
-		)
-		err := q.QueryRowContext(ctx, s.q.claim, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease).
-			Scan(&claimed, &fingerprint, &token, &expires, &now, &response)
+		r = row{}
+		err := q.QueryRowContext(ctx, s.q.claim, args...).Scan(r.dest()...)
 		switch {
+		case err == nil:
 		case errors.Is(err, sql.ErrNoRows):
 			// A concurrent claim committed the row after this statement's
 			// snapshot: the insert saw it, the read did not.
 			continue
 		case retryable(err):
 			continue
-		case err != nil:
-			return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim: %w", err)
-		case claimed:
-			return idemserver.ClaimResult{Claimed: true}, nil
+		default:
+			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: claim: %w", err)
 		}
-		if response != nil && !expires.Time.After(now) {
+		switch {
+		case !r.token.Valid:
+			// The row of NULLs of a claim that inserted.
+			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
+		case r.expired():
 			// A completed record that expired counts as absent: replace
 			// it, unless someone else did first.
-			ok, err := s.replace(ctx, q, c, token.String)
-			if err != nil {
-				return idemserver.ClaimResult{}, err
-			}
-			if ok {
-				return idemserver.ClaimResult{Claimed: true}, nil
+			ok, err := s.replace(ctx, q, c, r.token.String)
+			if err != nil || ok {
+				return idemserver.ClaimResult{Claimed: ok}, sql.NullString{}, err
 			}
 			continue
 		}
-		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now), response)
+		rec, err := s.record(c, &r)
 		if err != nil {
-			return idemserver.ClaimResult{}, err
+			return idemserver.ClaimResult{}, sql.NullString{}, err
 		}
-		return idemserver.ClaimResult{Record: rec}, nil
+		return idemserver.ClaimResult{Record: rec}, r.response, nil
 	}
-	return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
+	return idemserver.ClaimResult{}, sql.NullString{}, s.unsettled(c)
 }
 
-// record builds the Record of a row found by a claim c, whose expires_at
-// is remaining from the database's now().
-func (s *Store) record(c idemserver.Claim, fingerprint []byte, token string, remaining time.Duration, response []byte) (idemserver.Record, error) {
+// row is a record's row as the claim statements return it (see
+// rowColumns); its token is NULL when there is none.
+type row struct {
+	fingerprint []byte
+	token       sql.NullString
+	remaining   sql.NullFloat64 // seconds from the database's now() to expires_at
+	response    sql.NullString  // as stored; NULL while in progress
+}
+
+// dest returns the scan destinations of rowColumns.
+func (r *row) dest() []any {
+	return []any{&r.fingerprint, &r.token, &r.remaining, &r.response}
+}
+
+// expired reports whether r is a completed record whose retention ended,
+// which counts as absent.
+func (r *row) expired() bool {
+	return r.response.Valid && r.remaining.Float64 <= 0
+}
+
+// sweepAfter returns, in seconds, how long after a claim with the given
+// lease its row may be swept, unless its complete or an extension moves
+// that later: the lease and the retention guessed for it.
+func (s *Store) sweepAfter(lease time.Duration) float64 {
+	// Added as floats: the sum of two durations can overflow, and a
+	// sweep_at before the lease's end would break its invariant.
+	return seconds(lease) + seconds(time.Duration(s.retention.Load()))
+}
+
+// unsettled returns the error of a claim that ran its statement
+// maxClaimRuns times without settling.
+func (s *Store) unsettled(c idemserver.Claim) error {
+	return fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
+}
+
+// record builds the Record, without its response, of the row r found by
+// a claim c.
+func (s *Store) record(c idemserver.Claim, r *row) (idemserver.Record, error) {
 	var rec idemserver.Record
-	if len(fingerprint) != len(rec.Fingerprint) {
+	if len(r.fingerprint) != len(rec.Fingerprint) {
 		return rec, fmt.Errorf("pgstore: %s holds a fingerprint of %d bytes for key %q; want %d",
-			s.table.quoted(), len(fingerprint), c.Key.Key, len(rec.Fingerprint))
+			s.table.quoted(), len(r.fingerprint), c.Key.Key, len(rec.Fingerprint))
 	}
-	copy(rec.Fingerprint[:], fingerprint)
-	rec.Token = token
-	at := c.Now.Add(remaining)
-	if response == nil {
+	copy(rec.Fingerprint[:], r.fingerprint)
+	rec.Token = r.token.String
+	at := c.Now.Add(time.Duration(math.Round(r.remaining.Float64*1e6)) * time.Microsecond)
+	if r.response.Valid {
+		rec.Expires = at
+	} else {
 		rec.LeaseExpires = at
-		return rec, nil
 	}
-	resp, err := respcodec.Decode(response)
-	if err != nil {
-		return rec, fmt.Errorf("pgstore: the stored response of key %q in %s cannot be read: %w", c.Key.Key, s.table.quoted(), err)
-	}
-	rec.Response = resp
-	rec.Expires = at
 	return rec, nil
 }
 
 // replace takes over the row of c.Key for c, provided it still holds
 // token and has expired, and reports whether it did.
 func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, token string) (bool, error) {
+	lease := c.LeaseExpires.Sub(c.Now)
 	n, err := execRows(ctx, q, s.q.replace, []byte(c.Key.Scope), c.Key.Key, c.Fingerprint[:], c.Token,
-		seconds(c.LeaseExpires.Sub(c.Now)), token)
+		seconds(lease), token, s.sweepAfter(lease))
 	if err != nil {
 		return false, fmt.Errorf("pgstore: take over: %w", err)
 	}
@@ -339,7 +427,35 @@ func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, toke
 // expires (measured from now on the store's clock, see [WithClock], and
 // applied to the database's).
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
-	encoded, ttl := respcodec.Encode(resp), seconds(expires.Sub(s.now()))
+	return s.complete(ctx, key, token, idemserver.PackResponse(resp), expires)
+}
+
+// CompletePacked implements [idemserver.PackedStore]: it is Complete, with
+// the response given packed.
+func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
+	return s.complete(ctx, c.Key, c.Token, c.Response, c.Expires)
+}
+
+// complete stores resp, encoded without first becoming a Response, as
+// Complete describes.
+func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, resp idemserver.PackedResponse, expires time.Time) error {
+	encoded, err := respcodec.AppendPacked(make([]byte, 0, resp.Len()+8), resp)
+	if err != nil {
+		// Not a response: nothing to store. A claim's transaction must
+		// not be left open.
+		err = fmt.Errorf("pgstore: complete: %w", err)
+		if st := stateOf(ctx, key, token); s.transactional && st != nil {
+			st.ended.Store(true)
+			_ = st.tx.Rollback()
+			return s.rolledBack(st, err)
+		}
+		return err
+	}
+	retention := expires.Sub(s.now())
+	if retention > 0 && time.Duration(s.retention.Load()) != retention {
+		s.retention.Store(int64(retention))
+	}
+	ttl := seconds(retention)
 	if s.transactional {
 		st := stateOf(ctx, key, token)
 		if st == nil {

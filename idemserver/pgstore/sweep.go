@@ -11,8 +11,13 @@ import (
 // which the next request with its key would take over anyway); a live
 // lease is never touched.
 //
-// One call is one statement on the expiry index, so its cost is bounded by
-// limit. Rows another transaction holds, such as another instance's sweep
+// One call is one statement on the index of sweep_at, the time from which a
+// row may be swept, so its cost is bounded by limit. A row's sweep_at is
+// never before it expires, and may be later: a claim guesses its record's
+// retention (the last one Complete was given) so that its complete need not
+// change an indexed column, and a record kept for less, or a claim whose
+// handler died, stays until that guess runs out, or until a claim of its
+// key replaces it. An expired row is never replayed, only kept. Rows another transaction holds, such as another instance's sweep
 // or a claim replacing an expired row, are skipped rather than waited for,
 // so several instances may sweep at once. To clear a backlog, call Sweep
 // again while it returns limit:

@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
-	"time"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 )
@@ -88,15 +87,19 @@ func stateOf(ctx context.Context, key idemserver.Key, token string) *txState {
 // it neither waits on the other's row nor holds a connection afterwards.
 // The insert still settles races with claims that committed after the
 // statement's snapshot, as in lease mode.
-func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
-	scope, lease := []byte(c.Key.Scope), seconds(c.LeaseExpires.Sub(c.Now))
+func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
+	scope, lease := []byte(c.Key.Scope), c.LeaseExpires.Sub(c.Now)
+	claimed := func(tx *sql.Tx) (idemserver.ClaimResult, sql.NullString, error) {
+		st := &txState{tx: tx, key: c.Key, token: c.Token}
+		return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, sql.NullString{}, nil
+	}
 	for run := 0; run < maxClaimRuns; run++ {
 		if run > 0 && s.testHookRerun != nil {
 			s.testHookRerun()
 		}
-		res, found, err := s.read(ctx, c)
+		res, stored, found, err := s.read(ctx, c)
 		if err != nil || found {
-			return res, err
+			return res, stored, err
 		}
 
 		// The transaction outlives the request's context: a handler that
@@ -104,33 +107,27 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 		// retry gets the replay. The middleware ends it.
 		tx, err := s.db.BeginTx(context.WithoutCancel(ctx), nil)
 		if err != nil {
-			return idemserver.ClaimResult{}, fmt.Errorf("pgstore: begin: %w", err)
+			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: begin: %w", err)
 		}
 		var (
-			locked, claimed bool
-			fingerprint     []byte
-			token           sql.NullString
-			expires         sql.NullTime
-			now             sql.NullTime
-			response        []byte
+			locked, won bool
+			r           row
 		)
-		err = tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, lease, s.lockID(c.Key)).
-			Scan(&locked, &claimed, &fingerprint, &token, &expires, &now, &response)
+		err = tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
+			Scan(append([]any{&locked, &won}, r.dest()...)...)
 		switch {
-		case err == nil && claimed:
-			st := &txState{tx: tx, key: c.Key, token: c.Token}
-			return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, nil
-		case err == nil && locked && token.Valid && response != nil && !expires.Time.After(now.Time):
+		case err == nil && won:
+			return claimed(tx)
+		case err == nil && locked && r.token.Valid && r.expired():
 			// A completed record that expired: replace it in the
 			// transaction, unless someone else did first.
-			ok, err := s.replace(ctx, tx, c, token.String)
+			ok, err := s.replace(ctx, tx, c, r.token.String)
 			if err == nil && ok {
-				st := &txState{tx: tx, key: c.Key, token: c.Token}
-				return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, nil
+				return claimed(tx)
 			}
 			_ = tx.Rollback()
 			if err != nil && !retryable(err) {
-				return idemserver.ClaimResult{}, err
+				return idemserver.ClaimResult{}, sql.NullString{}, err
 			}
 			continue
 		}
@@ -139,7 +136,7 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 		case retryable(err):
 			continue
 		case err != nil:
-			return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim: %w", err)
+			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: claim: %w", err)
 		case !locked:
 			// Another transaction holds an uncommitted claim of the key,
 			// whose fingerprint cannot be read: report it in progress as
@@ -148,46 +145,40 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			return idemserver.ClaimResult{Record: idemserver.Record{
 				Fingerprint:  c.Fingerprint,
 				LeaseExpires: c.LeaseExpires,
-			}}, nil
-		case !token.Valid:
+			}}, sql.NullString{}, nil
+		case !r.token.Valid:
 			// The row was committed after the statement's snapshot.
 			continue
 		}
-		rec, err := s.record(c, fingerprint, token.String, expires.Time.Sub(now.Time), response)
+		rec, err := s.record(c, &r)
 		if err != nil {
-			return idemserver.ClaimResult{}, err
+			return idemserver.ClaimResult{}, sql.NullString{}, err
 		}
-		return idemserver.ClaimResult{Record: rec}, nil
+		return idemserver.ClaimResult{Record: rec}, r.response, nil
 	}
-	return idemserver.ClaimResult{}, fmt.Errorf("pgstore: claim of %q did not settle after %d runs under concurrent changes", c.Key.Key, maxClaimRuns)
+	return idemserver.ClaimResult{}, sql.NullString{}, s.unsettled(c)
 }
 
 // read reads the row of c.Key outside any transaction, and reports whether
-// it settles the claim: a live record (a completed one to replay, or one in
-// progress in lease mode). An absent or expired row does not.
-func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, bool, error) {
-	var (
-		fingerprint []byte
-		token       string
-		expires     time.Time
-		now         time.Time
-		response    []byte
-	)
-	err := s.db.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).
-		Scan(&fingerprint, &token, &expires, &now, &response)
+// it settles the claim: a live record (a completed one to replay, whose
+// response it returns as stored, or one in progress in lease mode). An
+// absent or expired row does not.
+func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, bool, error) {
+	var r row
+	err := s.db.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).Scan(r.dest()...)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
-		return idemserver.ClaimResult{}, false, nil
+		return idemserver.ClaimResult{}, sql.NullString{}, false, nil
 	case err != nil:
-		return idemserver.ClaimResult{}, false, fmt.Errorf("pgstore: claim: %w", err)
-	case response != nil && !expires.After(now):
-		return idemserver.ClaimResult{}, false, nil
+		return idemserver.ClaimResult{}, sql.NullString{}, false, fmt.Errorf("pgstore: claim: %w", err)
+	case r.expired():
+		return idemserver.ClaimResult{}, sql.NullString{}, false, nil
 	}
-	rec, err := s.record(c, fingerprint, token, expires.Sub(now), response)
+	rec, err := s.record(c, &r)
 	if err != nil {
-		return idemserver.ClaimResult{}, false, err
+		return idemserver.ClaimResult{}, sql.NullString{}, false, err
 	}
-	return idemserver.ClaimResult{Record: rec}, true, nil
+	return idemserver.ClaimResult{Record: rec}, r.response, true, nil
 }
 
 // lockID returns the advisory lock of a key: 64 bits of a SHA-256 of the
@@ -273,6 +264,9 @@ func (s *Store) releaseTx(st *txState) error {
 // sqlState returns the SQLSTATE of an error the server sent, or "" for
 // any other error. Drivers expose it through a method of their error type.
 func sqlState(err error) string {
+	if err == nil {
+		return ""
+	}
 	var e interface{ SQLState() string }
 	if errors.As(err, &e) {
 		return e.SQLState()
