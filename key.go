@@ -22,6 +22,12 @@ const keyRandomBatch = 64 * 16
 // which cost more than all the rest of making a key. Each byte read is used
 // for one key only. A keySource belongs to one Transport; the zero value is
 // ready to use, and it is safe for concurrent use.
+//
+// The bytes of up to 63 keys to come sit in the Transport's memory: a core
+// dump shows them, and a process whose memory is snapshotted and restored
+// twice (a VM or CRIU snapshot cloned) hands the same keys out in both
+// copies. Where that can happen, give [WithKeyGenerator] a generator that
+// reads crypto/rand for each key.
 type keySource struct {
 	mu     sync.Mutex
 	random [keyRandomBatch]byte

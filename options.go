@@ -127,6 +127,13 @@ func WithStructuredKey() Option {
 // (default: a UUIDv7 string). Keys must be unique per operation; an error
 // stops the request before anything is sent. A nil function restores the
 // default.
+//
+// The default reads the random bits of 64 keys from crypto/rand at a time,
+// so those of up to 63 keys to come are in the Transport's memory. A
+// process that may be snapshotted and restored more than once (a cloned VM
+// or CRIU image) would hand out the same keys in each copy: there, use a
+// generator that reads crypto/rand for each key, such as
+// uuid.NewV7's via func() (string, error) { u, err := uuid.NewV7(); return u.String(), err }.
 func WithKeyGenerator(newKey func() (string, error)) Option {
 	return func(c *config) { c.newKey = newKey }
 }

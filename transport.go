@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"runtime"
 	"slices"
 	"strings"
 	"time"
@@ -20,9 +21,13 @@ import (
 // caller's request: each attempt is sent as a copy of it. The copy has a
 // header of its own, so that nothing a base transport writes to it can
 // reach the caller or a later attempt, unless the base transport is
-// net/http's own [http.Transport], which only reads a request's header:
-// then an attempt's header shares the caller's values, and is the caller's
-// map itself when the Transport adds no key to it.
+// net/http's own [http.Transport], which only reads a request's header
+// (on every platform but js, where it deletes the fields that carry Fetch
+// options): then an attempt's header shares the caller's values, and is the
+// caller's map itself when the Transport adds no key to it. Code that
+// http.Transport hands the attempt's request to (a Proxy function, a
+// RoundTripper registered with RegisterProtocol) must not write to its
+// header either, as the RoundTripper contract already asks of the latter.
 // It closes the caller's request body exactly once on every path, including
 // refusals before any attempt. It returns either a response or an error,
 // never both; a response with a failing status after the last attempt is a
@@ -79,6 +84,14 @@ type Transport struct {
 	keys          *keySource // makes keys, unless cfg.newKey does
 }
 
+// readsHeaderOnly reports whether base, on the platform goos, never writes
+// to a request's header: net/http's own Transport, except on js, where it
+// deletes the js.fetch:* fields it reads.
+func readsHeaderOnly(goos string, base http.RoundTripper) bool {
+	_, ok := base.(*http.Transport)
+	return ok && goos != "js"
+}
+
 // NewTransport returns a Transport that sends attempts through base, or
 // through [http.DefaultTransport] if base is nil.
 func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
@@ -86,7 +99,7 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 		base = http.DefaultTransport
 	}
 	t := &Transport{base: base, cfg: newConfig(opts)}
-	_, t.baseReadsOnly = base.(*http.Transport)
+	t.baseReadsOnly = readsHeaderOnly(runtime.GOOS, base)
 	if t.cfg.newKey == nil {
 		t.keys = new(keySource)
 	}
@@ -317,8 +330,9 @@ func (c *call) send(n int) (o outcome, reason Reason, err error) {
 	}
 	// One reading of the clock serves the breaker, the budget and the
 	// attempt's start. The first attempt has the call's, unless a rate
-	// limiter or a KeyStore may have made it wait.
-	if n > 1 || c.t.limiters != nil || c.pending {
+	// limiter, a KeyStore or a key generator of the caller's may have made
+	// it wait.
+	if n > 1 || c.t.limiters != nil || c.pending || c.t.cfg.newKey != nil {
 		c.admitted = time.Now()
 	}
 	if b := c.t.breakers; b != nil {
@@ -398,7 +412,7 @@ func (c *call) attempt(n int) outcome {
 		o.err, o.unsent = err, true
 		return o
 	}
-	r := c.attemptRequest(o.ctx)
+	r := c.attemptRequest(o.ctx, c.t.cfg.attemptTimeout > 0)
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
@@ -461,9 +475,11 @@ type keyedRequest struct {
 
 // attemptRequest returns the caller's request as an attempt sends it: a
 // copy with ctx as its context, the key added to its header, and a header
-// of its own unless the base transport only reads the caller's.
-func (c *call) attemptRequest(ctx context.Context) *http.Request {
-	if c.keyValue != "" && ctx == c.ctx {
+// of its own unless the base transport only reads the caller's. ownCtx
+// says whether ctx is one the attempt made, rather than the call's own
+// (contexts are not compared: a Context need not be a comparable type).
+func (c *call) attemptRequest(ctx context.Context, ownCtx bool) *http.Request {
+	if c.keyValue != "" && !ownCtx {
 		kr := &keyedRequest{Request: *c.req}
 		kr.Header = c.attemptHeader(&kr.key)
 		return &kr.Request
