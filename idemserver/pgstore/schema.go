@@ -196,7 +196,7 @@ FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT E
 		sweep: r.Replace(`DELETE FROM {table} AS d
 USING (
 	SELECT scope, key FROM {table}
-	WHERE sweep_at <= now()
+	WHERE sweep_at <= now() AND expires_at <= now()
 	ORDER BY sweep_at
 	LIMIT $1
 	FOR UPDATE SKIP LOCKED
@@ -252,13 +252,28 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrateLock)); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
-	// A table of the earlier schema has expires_at and no sweep_at.
-	var earlier bool
+	// A table of the earlier schema has expires_at and no sweep_at; a
+	// current one has sweep_at and its index.
+	var earlier, current bool
 	if err := tx.QueryRowContext(ctx, `SELECT
 	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'expires_at' AND NOT attisdropped) AND
-	NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped)`,
-		s.table.quoted()).Scan(&earlier); err != nil {
+	NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped),
+	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped) AND
+	EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass($1) AND c.relname = $2)`,
+		s.table.quoted(), s.table.name+"_sweep_at").Scan(&earlier, &current); err != nil {
 		return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
+	}
+	if current {
+		// Even CREATE … IF NOT EXISTS locks the table first, and would
+		// queue behind every transactional-mode claim in flight, and every
+		// claim after it behind it: an instance that starts must not
+		// stall the others.
+		return tx.Commit()
+	}
+	// DDL that must wait for the table gives up rather than hold every
+	// claim up behind it.
+	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '10s'`); err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
 	stmts := s.q.ddl
 	if earlier {

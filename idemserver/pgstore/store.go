@@ -11,8 +11,8 @@
 // By default a claim is a committed row holding a lease, as [idemserver.Store]
 // describes, and every method is one statement:
 //
-//   - Claim inserts the row if there is none, and otherwise reads the row
-//     that is there, in one round trip that writes nothing: a replay takes
+//   - Claim reads the row that is there, and inserts one only if it found
+//     none, in one round trip; when a row is there it writes nothing: a replay takes
 //     no row lock, writes no WAL and waits for no commit. Only when the row
 //     found has expired does a second statement take it over, a
 //     compare-and-set on its token.
