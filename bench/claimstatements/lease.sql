@@ -1,0 +1,2 @@
+\set k random(0, 9)
+WITH cur AS (SELECT fingerprint, token, extract(epoch FROM expires_at - now())::float8, response FROM t WHERE scope = '\x'::bytea AND key = 'k' || :k), ins AS (INSERT INTO t (scope, key, fingerprint, token, expires_at, sweep_at) SELECT '\x'::bytea, 'k' || :k, '\x00'::bytea, 'new', now() + 60 * interval '1 second', now() + 86400 * interval '1 second' WHERE NOT EXISTS (SELECT FROM cur) ON CONFLICT (scope, key) DO NOTHING RETURNING true) SELECT NULL::bytea, NULL::text, NULL::float8, NULL::bytea FROM ins UNION ALL SELECT * FROM cur;
