@@ -223,3 +223,33 @@ WHERE key = 'k' AND token = 'old-build' AND response IS NULL`)
 	require.NoError(t, err)
 	assert.Equal(t, 1, n, "Sweep(1) deleted no row, though one has expired")
 }
+
+// TestMigrateGivesUpOnALockedTable: Migrate's DDL that has to wait for the
+// table's lock gives up after migrateLockTimeout, rather than queue behind
+// a transaction in flight with every claim queued behind it.
+func TestMigrateGivesUpOnALockedTable(t *testing.T) {
+	db := newTestDB(t, 4)
+	s, err := New(db.DB, WithTable("locked"))
+	require.NoError(t, err)
+	// The table without its index, so that Migrate has DDL to run.
+	_, err = db.ExecContext(t.Context(), s.q.ddl[0])
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP TABLE "locked"`) })
+
+	// A transaction in flight holds the table (ROW EXCLUSIVE), which
+	// CREATE INDEX must wait for.
+	tx, err := db.BeginTx(t.Context(), nil)
+	require.NoError(t, err)
+	_, err = tx.ExecContext(t.Context(), `INSERT INTO "locked" (scope, key, fingerprint, token, expires_at) VALUES ('', 'k', '', 't', now())`)
+	require.NoError(t, err)
+
+	// Without a lock timeout of its own, Migrate would wait out this
+	// context instead, and fail otherwise.
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	err = s.Migrate(ctx)
+	require.ErrorContains(t, err, "lock timeout")
+
+	require.NoError(t, tx.Rollback())
+	require.NoError(t, s.Migrate(t.Context()), "once the table is free")
+}

@@ -238,6 +238,10 @@ const (
 	upgradeDropIndex  = `DROP INDEX IF EXISTS {old_index}`
 )
 
+// migrateLockTimeout is how long Migrate's DDL waits for the table's lock
+// before it fails.
+const migrateLockTimeout = "10s"
+
 // Migrate creates the store's table and its index unless they exist, and
 // brings a table of the earlier schema (without sweep_at) to this one. It
 // is safe to run at every start, from several instances at once: an
@@ -254,15 +258,15 @@ func (s *Store) Migrate(ctx context.Context) error {
 	}
 	// A table of the earlier schema has expires_at and no sweep_at; a
 	// current one has sweep_at and its index.
-	var earlier, current bool
+	var hasExpiresAt, hasSweepAt, hasIndex bool
 	if err := tx.QueryRowContext(ctx, `SELECT
-	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'expires_at' AND NOT attisdropped) AND
-	NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped),
-	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped) AND
+	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'expires_at' AND NOT attisdropped),
+	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped),
 	EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass($1) AND c.relname = $2)`,
-		s.table.quoted(), s.table.name+"_sweep_at").Scan(&earlier, &current); err != nil {
+		s.table.quoted(), s.table.name+"_sweep_at").Scan(&hasExpiresAt, &hasSweepAt, &hasIndex); err != nil {
 		return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
 	}
+	earlier, current := hasExpiresAt && !hasSweepAt, hasSweepAt && hasIndex
 	if current {
 		// Even CREATE … IF NOT EXISTS locks the table first, and would
 		// queue behind every transactional-mode claim in flight, and every
@@ -272,7 +276,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 	}
 	// DDL that must wait for the table gives up rather than hold every
 	// claim up behind it.
-	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '10s'`); err != nil {
+	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '`+migrateLockTimeout+`'`); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
 	stmts := s.q.ddl
