@@ -404,15 +404,17 @@ func (c *call) attempt(n int) outcome {
 		c.t.cfg.budget.recordFirst(c.host, c.admitted)
 	}
 	o := outcome{ctx: c.ctx, cancel: func() {}}
+	ownCtx := false
 	if d := c.t.cfg.attemptTimeout; d > 0 {
 		o.ctx, o.cancel = context.WithTimeout(c.ctx, d)
+		ownCtx = true
 	}
 	body, getBody, err := c.body.forAttempt(n)
 	if err != nil {
 		o.err, o.unsent = err, true
 		return o
 	}
-	r := c.attemptRequest(o.ctx, c.t.cfg.attemptTimeout > 0)
+	r := c.attemptRequest(o.ctx, ownCtx)
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
