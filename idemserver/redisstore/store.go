@@ -323,16 +323,13 @@ func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, 
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	// The store's clock may be up to MaxClockSkew from the middleware's,
-	// which stamped expires: the native expiry is that much later, so that
-	// Redis never drops the record before the middleware's clock says.
-	return s.completeWith(ctx, key, token, respcodec.Encode(resp), s.now().Add(-MaxClockSkew), expires)
+	return s.completeWith(ctx, key, token, respcodec.Encode(resp), time.Time{}, expires)
 }
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
 // the response translated from the packed form to the stored encoding
 // without becoming a Response, and the native expiry reckoned from c.Now
-// (the store's clock when c.Now is zero).
+// (as Complete reckons it when c.Now is zero).
 func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -341,14 +338,18 @@ func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletio
 	if err != nil {
 		return fmt.Errorf("redisstore: complete: %w", err)
 	}
-	now := c.Now
-	if now.IsZero() {
-		now = s.now()
-	}
-	return s.completeWith(ctx, c.Key, c.Token, enc, now, c.Expires)
+	return s.completeWith(ctx, c.Key, c.Token, enc, c.Now, c.Expires)
 }
 
+// completeWith completes the record with the encoded response enc. The
+// native expiry is reckoned from now, the middleware's time, or when now
+// is zero from the store's clock, which may be up to MaxClockSkew from the
+// middleware's that stamped expires: then it is that much later, so that
+// Redis never drops the record before the middleware's clock says.
 func (s *Store) completeWith(ctx context.Context, key idemserver.Key, token string, enc []byte, now, expires time.Time) error {
+	if now.IsZero() {
+		now = s.now().Add(-MaxClockSkew)
+	}
 	var ttl int64 // 0: the script deletes the record
 	if d := expires.Sub(now); d > 0 {
 		ttl = ttlMillis(d)
