@@ -430,6 +430,13 @@ func (c *call) attempt(n int) outcome {
 	if o.err == nil && o.resp == nil {
 		o.err = errNilResponse
 	}
+	if o.resp != nil && o.resp.Body == nil {
+		// Many RoundTrippers, fakes in tests above all, answer with a nil
+		// Body, which http.Client takes for an empty one. So does the
+		// Transport: holding, draining or wrapping a nil Body would panic,
+		// and in a drain's timer, beyond any recover.
+		o.resp.Body = http.NoBody
+	}
 	return o
 }
 
