@@ -267,8 +267,10 @@ func (c *call) assignKey() error {
 		if key == "" {
 			if c.t.keys != nil {
 				key, err = c.t.keys.newKey(c.admitted)
-			} else {
-				key, err = cfg.newKey()
+			} else if key, err = cfg.newKey(); err == nil {
+				// Checked before a KeyStore records it: an empty key would
+				// send the request unkeyed, and so unretried, in silence.
+				err = checkKey(key)
 			}
 			if err != nil {
 				return err
@@ -276,6 +278,10 @@ func (c *call) assignKey() error {
 		}
 		if op, ok := OperationFrom(c.ctx); ok {
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
+				return err
+			}
+			// A KeyStore of the caller's may return any string.
+			if err = checkKey(key); err != nil {
 				return err
 			}
 			c.operation, c.pending = op, true
