@@ -58,7 +58,8 @@ import (
 // http.Client builds the redirected request from the caller's, which has
 // no key the Transport added, and points its Response field at the 307 or
 // 308; the Transport takes the key from that response's Request, the
-// attempt that was sent. (The redirected request keeps the caller's
+// attempt that was sent (set by the Transport when the base transport
+// leaves it nil). (The redirected request keeps the caller's
 // context, so an operation's pending key would be found in the KeyStore
 // anyway.) A 307 or 308 that is not followed, for want of a Location, a
 // CheckRedirect that stops it, or a request body without GetBody, is
@@ -435,6 +436,11 @@ func (c *call) attempt(n int) outcome {
 	}
 	if o.err == nil && o.resp == nil {
 		o.err = errNilResponse
+	}
+	if o.resp != nil && o.resp.Request == nil {
+		// The attempt sent, as http.Transport names it: a 307 or 308 that
+		// http.Client follows takes its key from here.
+		o.resp.Request = r
 	}
 	if o.resp != nil && o.resp.Body == nil {
 		// Many RoundTrippers, fakes in tests above all, answer with a nil
