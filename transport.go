@@ -418,6 +418,8 @@ func (c *call) attempt(n int) outcome {
 	}
 	body, getBody, err := c.body.forAttempt(n)
 	if err != nil {
+		// Nothing is sent, so nothing will end the attempt's context.
+		o.cancel()
 		o.err, o.unsent = err, true
 		return o
 	}

@@ -11,6 +11,7 @@ import (
 	"reflect"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -316,6 +317,43 @@ func TestGetBodyFailureStopsRetrying(t *testing.T) {
 			assert.Equal(t, ReasonBodyNotReplayable, attempts[1].Reason)
 		})
 	}
+}
+
+// stopCountingContext counts the contexts derived from it that are still
+// waiting on it: context.WithTimeout registers each through AfterFunc and
+// calls the stop it returns once the derived context is cancelled.
+type stopCountingContext struct {
+	context.Context
+	done    chan struct{}
+	waiting atomic.Int32
+}
+
+func (c *stopCountingContext) Done() <-chan struct{} { return c.done }
+
+func (c *stopCountingContext) AfterFunc(func()) (stop func() bool) {
+	c.waiting.Add(1)
+	var once sync.Once
+	return func() bool {
+		once.Do(func() { c.waiting.Add(-1) })
+		return true
+	}
+}
+
+// An attempt refused because GetBody failed releases the context it made
+// for its timeout, as every other attempt does, rather than leaving it
+// (with a goroutine, for a parent of an unfamiliar type) until the timeout.
+func TestGetBodyFailureReleasesAttemptContext(t *testing.T) {
+	srv := newServer(t, status(503))
+	ctx := &stopCountingContext{Context: context.Background(), done: make(chan struct{})}
+	req := post(t, ctx, srv.URL, "x")
+	req.GetBody = func() (io.ReadCloser, error) { return nil, errors.New("cannot rewind") }
+	tr := NewTransport(newBaseTransport(t), WithBackoff(noWait), WithAttemptTimeout(time.Hour))
+
+	resp := do(t, tr, req)
+
+	assert.Equal(t, 503, resp.StatusCode)
+	assert.Equal(t, int32(1), srv.hits.Load())
+	assert.Zero(t, ctx.waiting.Load(), "attempt contexts still waiting on the caller's")
 }
 
 // snapshot captures everything of a request that RoundTrip must not change.
