@@ -54,7 +54,16 @@ func hostKey(u *url.URL) string {
 			port = "80"
 		}
 	}
-	return scheme + "://" + net.JoinHostPort(strings.ToLower(u.Hostname()), port)
+	host := u.Hostname()
+	// Names of hosts are compared without regard to case; an IPv6 zone
+	// names a network interface, whose name is not: fe80::1%eth0 and
+	// fe80::1%ETH0 may be two hosts.
+	addr, zone, hasZone := strings.Cut(host, "%")
+	host = strings.ToLower(addr)
+	if hasZone {
+		host += "%" + zone
+	}
+	return scheme + "://" + net.JoinHostPort(host, port)
 }
 
 // hostKeys remembers the hostKey of each (scheme, authority) a Transport

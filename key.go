@@ -2,6 +2,8 @@ package idemhttp
 
 import (
 	"crypto/rand"
+	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -103,6 +105,21 @@ const hexPairs = "" +
 	"d0d1d2d3d4d5d6d7d8d9dadbdcdddedf" +
 	"e0e1e2e3e4e5e6e7e8e9eaebecedeeef" +
 	"f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff"
+
+// checkKey returns an error unless key can be sent as an idempotency key:
+// one or more printable ASCII characters, which a header field carries
+// unchanged and an sf-string can hold.
+func checkKey(key string) error {
+	if key == "" {
+		return errors.New("idemhttp: empty idempotency key")
+	}
+	for i := 0; i < len(key); i++ {
+		if key[i] < 0x20 || key[i] > 0x7e {
+			return fmt.Errorf("idemhttp: idempotency key %q holds a byte outside printable ASCII", key)
+		}
+	}
+	return nil
+}
 
 // structuredString encodes s as a Structured Fields sf-string (RFC 9651
 // section 3.3.3): quoted, with backslash and double quote escaped.

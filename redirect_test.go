@@ -104,3 +104,41 @@ func TestRedirectedRequestKeepsItsKey(t *testing.T) {
 		})
 	}
 }
+
+// The key follows a 307 through a base transport that, unlike
+// http.Transport, leaves Response.Request unset, as fakes and recording
+// transports often do: the Transport's response names the attempt sent.
+func TestRedirectKeepsKeyOverBaseWithoutResponseRequest(t *testing.T) {
+	var seen recorder[string]
+	final := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen.add(r.Header.Get("Idempotency-Key"))
+		w.WriteHeader(http.StatusCreated)
+	}))
+	t.Cleanup(final.Close)
+	hop := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen.add(r.Header.Get("Idempotency-Key"))
+		_, _ = io.Copy(io.Discard, r.Body)
+		http.Redirect(w, r, final.URL, http.StatusTemporaryRedirect)
+	}))
+	t.Cleanup(hop.Close)
+	http1 := newBaseTransport(t)
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp, err := http1.RoundTrip(r)
+		if resp != nil {
+			resp.Request = nil
+		}
+		return resp, err
+	})
+	client := &http.Client{Transport: NewTransport(base)}
+
+	resp, err := client.Do(post(t, context.Background(), hop.URL, "charge"))
+	require.NoError(t, err)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+
+	assert.Equal(t, http.StatusCreated, resp.StatusCode)
+	keys := seen.all()
+	require.Len(t, keys, 2)
+	require.NotEmpty(t, keys[0])
+	assert.Equal(t, keys[0], keys[1], "the redirected request carries the same key")
+}

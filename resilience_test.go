@@ -138,6 +138,10 @@ func TestHostKey(t *testing.T) {
 		"https://a.example:8443/":    "https://a.example:8443",
 		"http://[::1]:9000/":         "http://[::1]:9000",
 		"http://user@127.0.0.1/path": "http://127.0.0.1:80",
+		// A zone names an interface, whose name is case-sensitive: only
+		// the address is folded.
+		"http://[FE80::1%25eth0]:8080/": "http://[fe80::1%eth0]:8080",
+		"http://[fe80::1%25ETH0]:8080/": "http://[fe80::1%ETH0]:8080",
 	} {
 		u, err := url.Parse(raw)
 		require.NoError(t, err)

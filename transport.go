@@ -58,7 +58,8 @@ import (
 // http.Client builds the redirected request from the caller's, which has
 // no key the Transport added, and points its Response field at the 307 or
 // 308; the Transport takes the key from that response's Request, the
-// attempt that was sent. (The redirected request keeps the caller's
+// attempt that was sent (set by the Transport when the base transport
+// leaves it nil). (The redirected request keeps the caller's
 // context, so an operation's pending key would be found in the KeyStore
 // anyway.) A 307 or 308 that is not followed, for want of a Location, a
 // CheckRedirect that stops it, or a request body without GetBody, is
@@ -267,8 +268,10 @@ func (c *call) assignKey() error {
 		if key == "" {
 			if c.t.keys != nil {
 				key, err = c.t.keys.newKey(c.admitted)
-			} else {
-				key, err = cfg.newKey()
+			} else if key, err = cfg.newKey(); err == nil {
+				// Checked before a KeyStore records it: an empty key would
+				// send the request unkeyed, and so unretried, in silence.
+				err = checkKey(key)
 			}
 			if err != nil {
 				return err
@@ -276,6 +279,10 @@ func (c *call) assignKey() error {
 		}
 		if op, ok := OperationFrom(c.ctx); ok {
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
+				return err
+			}
+			// A KeyStore of the caller's may return any string.
+			if err = checkKey(key); err != nil {
 				return err
 			}
 			c.operation, c.pending = op, true
@@ -411,6 +418,8 @@ func (c *call) attempt(n int) outcome {
 	}
 	body, getBody, err := c.body.forAttempt(n)
 	if err != nil {
+		// Nothing is sent, so nothing will end the attempt's context.
+		o.cancel()
 		o.err, o.unsent = err, true
 		return o
 	}
@@ -429,6 +438,18 @@ func (c *call) attempt(n int) outcome {
 	}
 	if o.err == nil && o.resp == nil {
 		o.err = errNilResponse
+	}
+	if o.resp != nil && o.resp.Request == nil {
+		// The attempt sent, as http.Transport names it: a 307 or 308 that
+		// http.Client follows takes its key from here.
+		o.resp.Request = r
+	}
+	if o.resp != nil && o.resp.Body == nil {
+		// Many RoundTrippers, fakes in tests above all, answer with a nil
+		// Body, which http.Client takes for an empty one. So does the
+		// Transport: holding, draining or wrapping a nil Body would panic,
+		// and in a drain's timer, beyond any recover.
+		o.resp.Body = http.NoBody
 	}
 	return o
 }

@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"testing"
 	"testing/synctest"
@@ -79,5 +80,61 @@ func TestReadsHeaderOnly(t *testing.T) {
 		{"linux", struct{ *http.Transport }{&http.Transport{}}, false},
 	} {
 		assert.Equal(t, tt.want, readsHeaderOnly(tt.goos, tt.base), "%s %T", tt.goos, tt.base)
+	}
+}
+
+// A base transport may answer with a nil Response.Body: many fakes in
+// tests do, and http.Client accepts it as an empty body. The Transport
+// treats it as one too, whether it holds the response for a retry, wraps
+// it for an attempt timeout or for an operation's release, or returns it.
+func TestBaseResponseWithNilBody(t *testing.T) {
+	tests := []struct {
+		name      string
+		codes     []int // the base's status for each attempt
+		opts      []Option
+		operation bool
+	}{
+		{name: "retried 503", codes: []int{503, 200}},
+		{name: "attempts exhausted", codes: []int{503, 503}, opts: []Option{WithMaxAttempts(2)}},
+		{name: "attempt timeout", codes: []int{200}, opts: []Option{WithAttemptTimeout(time.Minute)}},
+		{name: "operation", codes: []int{503, 200}, operation: true},
+		{name: "operation with attempt timeout", codes: []int{200}, operation: true,
+			opts: []Option{WithAttemptTimeout(time.Minute)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var n int
+			base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				code := tt.codes[min(n, len(tt.codes)-1)]
+				n++
+				return &http.Response{StatusCode: code, Header: http.Header{}, Request: r}, nil
+			})
+			store := NewMemoryKeyStore()
+			opts := append([]Option{WithBackoff(noWait), WithKeyStore(store)}, tt.opts...)
+			tr := NewTransport(base, opts...)
+			ctx := context.Background()
+			if tt.operation {
+				ctx = WithOperation(ctx, "order-1")
+			}
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://pay.example/charge", nil)
+			require.NoError(t, err)
+
+			var resp *http.Response
+			require.NotPanics(t, func() {
+				resp, err = tr.RoundTrip(req)
+				require.NoError(t, err)
+				body, err := io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				assert.Empty(t, body)
+				require.NoError(t, resp.Body.Close())
+			})
+			assert.Equal(t, tt.codes[len(tt.codes)-1], resp.StatusCode)
+			assert.Equal(t, len(tt.codes), n)
+			if tt.operation {
+				pending, err := store.Pending(ctx)
+				require.NoError(t, err)
+				assert.Empty(t, pending, "a final 200 releases the operation's key")
+			}
+		})
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"reflect"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -148,6 +149,54 @@ func TestKeyGeneratorErrorSendsNothing(t *testing.T) {
 	assert.Equal(t, int32(1), body.closes.Load())
 }
 
+// A key generator or a KeyStore that hands out an empty key, or one a
+// header cannot carry, stops the request as a failing one does: a keyed
+// request sent without its key would be run again by every retry, and a
+// bad key recorded for an operation would be sent again on every call.
+func TestBadKeySendsNothing(t *testing.T) {
+	tests := []struct {
+		name      string
+		opts      []Option
+		operation bool
+	}{
+		{name: "empty generated key",
+			opts: []Option{WithKeyGenerator(func() (string, error) { return "", nil })}},
+		{name: "generated key with a line break",
+			opts: []Option{WithKeyGenerator(func() (string, error) { return "k\r\nX-Evil: 1", nil })}},
+		{name: "generated key beyond ASCII",
+			opts: []Option{WithKeyGenerator(func() (string, error) { return "clé", nil })}},
+		{name: "empty generated key for an operation", operation: true,
+			opts: []Option{WithKeyGenerator(func() (string, error) { return "", nil })}},
+		{name: "empty key from the KeyStore", operation: true,
+			opts: []Option{WithKeyStore(&failingStore{})}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, status(503), status(200))
+			store := NewMemoryKeyStore()
+			opts := append([]Option{WithKeyStore(store), WithBackoff(noWait)}, tt.opts...)
+			tr := NewTransport(newBaseTransport(t), opts...)
+			ctx := context.Background()
+			if tt.operation {
+				ctx = WithOperation(ctx, "order-1")
+			}
+			body := newTrackedBody("charge")
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, body)
+			require.NoError(t, err)
+
+			resp, err := tr.RoundTrip(req)
+
+			assert.Nil(t, resp)
+			assert.ErrorIs(t, err, ErrKeyStore)
+			assert.Zero(t, srv.hits.Load(), "nothing is sent without a good key")
+			assert.Equal(t, int32(1), body.closes.Load())
+			pending, err := store.Pending(ctx)
+			require.NoError(t, err)
+			assert.Empty(t, pending, "no bad key is recorded")
+		})
+	}
+}
+
 // The request body must reach the server byte-identical on every attempt,
 // whether the Transport rewinds it with GetBody or buffers it.
 func TestBodyIsIdenticalOnEveryAttempt(t *testing.T) {
@@ -268,6 +317,43 @@ func TestGetBodyFailureStopsRetrying(t *testing.T) {
 			assert.Equal(t, ReasonBodyNotReplayable, attempts[1].Reason)
 		})
 	}
+}
+
+// stopCountingContext counts the contexts derived from it that are still
+// waiting on it: context.WithTimeout registers each through AfterFunc and
+// calls the stop it returns once the derived context is cancelled.
+type stopCountingContext struct {
+	context.Context
+	done    chan struct{}
+	waiting atomic.Int32
+}
+
+func (c *stopCountingContext) Done() <-chan struct{} { return c.done }
+
+func (c *stopCountingContext) AfterFunc(func()) (stop func() bool) {
+	c.waiting.Add(1)
+	var once sync.Once
+	return func() bool {
+		once.Do(func() { c.waiting.Add(-1) })
+		return true
+	}
+}
+
+// An attempt refused because GetBody failed releases the context it made
+// for its timeout, as every other attempt does, rather than leaving it
+// (with a goroutine, for a parent of an unfamiliar type) until the timeout.
+func TestGetBodyFailureReleasesAttemptContext(t *testing.T) {
+	srv := newServer(t, status(503))
+	ctx := &stopCountingContext{Context: context.Background(), done: make(chan struct{})}
+	req := post(t, ctx, srv.URL, "x")
+	req.GetBody = func() (io.ReadCloser, error) { return nil, errors.New("cannot rewind") }
+	tr := NewTransport(newBaseTransport(t), WithBackoff(noWait), WithAttemptTimeout(time.Hour))
+
+	resp := do(t, tr, req)
+
+	assert.Equal(t, 503, resp.StatusCode)
+	assert.Equal(t, int32(1), srv.hits.Load())
+	assert.Zero(t, ctx.waiting.Load(), "attempt contexts still waiting on the caller's")
 }
 
 // snapshot captures everything of a request that RoundTrip must not change.
