@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemhttp/idemhttp/idemserver"
+	"github.com/idemhttp/idemhttp/internal/cputime"
 )
 
 // BenchmarkPaths measures the middleware over each store, and a
@@ -28,8 +29,11 @@ import (
 // made once and reused, keys made before the clock starts, so that what
 // differs between columns is the middleware and the store. Besides ns/op
 // it reports the 99th percentile latency, the statements sent to the
-// database and the WAL written, per request, req/s, and the allocations
-// of the whole process per request. Run it with
+// database and the WAL written, per request, req/s, the allocations of the
+// whole process per request, and the CPU time per request of this process
+// (cpu-ns/op) and of the PostgreSQL server (pg-cpu-ns/op, when the server
+// runs on this machine and its data directory can be read; see
+// serverCPU). Run it with
 //
 //	scripts/with-postgres.sh go test -run '^$' -bench BenchmarkPaths -benchtime 2000x -count 3 ./idemserver/pgstore/
 func BenchmarkPaths(b *testing.B) {
@@ -180,7 +184,9 @@ func measure(b *testing.B, db *testDB, c int, do func(cl *client, i int)) {
 	}
 	wal := walPosition(b, db.DB)
 	calls := db.calls.Load()
+	server, serverOK := serverCPU(db.DB)
 	b.ReportAllocs()
+	cpu := cputime.Start()
 	b.ResetTimer()
 	var wg sync.WaitGroup
 	for g := range c {
@@ -198,6 +204,10 @@ func measure(b *testing.B, db *testDB, c int, do func(cl *client, i int)) {
 	}
 	wg.Wait()
 	b.StopTimer()
+	cpu.Report(b, b.N)
+	if end, ok := serverCPU(db.DB); ok && serverOK {
+		b.ReportMetric(float64((end-server).Nanoseconds())/float64(b.N), "pg-cpu-ns/op")
+	}
 	walBytes := walPosition(b, db.DB) - wal
 	calls = db.calls.Load() - calls - 1 // less walPosition's own
 	all := slices.Concat(lat...)

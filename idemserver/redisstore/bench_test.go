@@ -2,6 +2,7 @@ package redisstore_test
 
 import (
 	"fmt"
+	"io"
 	"net/http"
 	"net/url"
 	"slices"
@@ -25,8 +26,10 @@ import (
 // keys), and a hot key (the clients on ten keys, replayed); and beside
 // them a plain GET to the same Redis of a record as large as the one a
 // replay reads (a completed record of the same handler's response), the
-// floor of any request that must ask Redis. C goroutines send the
-// requests. Besides ns/op it reports requests per second, the 99th
+// floor of any request that must ask Redis: once as the client's call
+// alone (store=get), and once from a handler behind the same harness as
+// the store columns (store=get-handler), so that the two differ only in
+// what the middleware and the store do. C goroutines send the requests. Besides ns/op it reports requests per second, the 99th
 // percentile latency, the round trips to Redis per request, and the CPU
 // time per request of the benchmark's process and of the Redis server (see
 // measure). Run it with
@@ -57,21 +60,41 @@ func BenchmarkPaths(b *testing.B) {
 		return redisstore.New(client, redisstore.WithPrefix(p)), p
 	}
 	keys := newBenchKeys(1000)
+	// storedRecord returns the Redis key of a completed record of
+	// handler's response: the record a replay reads.
+	storedRecord := func(b *testing.B) string {
+		store, p := newRedis()
+		serveKey(b, idemserver.Middleware(store)(handler), keys.of(0))
+		recs, err := client.Keys(b.Context(), p+"*").Result()
+		require.NoError(b, err)
+		require.Len(b, recs, 1)
+		return recs[0]
+	}
 	for _, path := range []string{"new", "replay", "hot"} {
 		for _, c := range []int{1, 16, 64} {
 			b.Run(fmt.Sprintf("path=%s/C=%d/store=get", path, c), func(b *testing.B) {
-				// The record a replay of this handler's response reads.
-				store, p := newRedis()
-				serveKey(b, idemserver.Middleware(store)(handler), keys.of(0))
-				recs, err := client.Keys(b.Context(), p+"*").Result()
-				require.NoError(b, err)
-				require.Len(b, recs, 1)
-				key := recs[0]
+				key := storedRecord(b)
 				measure(b, &rt, client, c, func(int) {
 					if err := client.Get(b.Context(), key).Err(); err != nil {
 						b.Error(err)
 					}
 				})
+			})
+			b.Run(fmt.Sprintf("path=%s/C=%d/store=get-handler", path, c), func(b *testing.B) {
+				// The same GET, from a handler behind the harness the
+				// store columns use.
+				key := storedRecord(b)
+				h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					v, err := client.Get(r.Context(), key).Result()
+					if err != nil {
+						http.Error(w, err.Error(), http.StatusServiceUnavailable)
+						return
+					}
+					w.Header().Set("Content-Type", "application/json")
+					w.WriteHeader(http.StatusCreated)
+					_, _ = io.WriteString(w, v)
+				})
+				measure(b, &rt, client, c, func(i int) { serveKey(b, h, keys.of(i%1000)) })
 			})
 			for _, st := range []struct {
 				name string

@@ -1,6 +1,7 @@
 package redisstore
 
 import (
+	"slices"
 	"strings"
 
 	"github.com/idemhttp/idemhttp/idemserver"
@@ -16,20 +17,24 @@ import (
 // the whole pair the key's hash tag: Redis Cluster then hashes on the pair
 // alone, whatever the prefix (unless the prefix has a tag of its own).
 func recordKey(prefix string, k idemserver.Key) string {
+	return string(appendRecordKey(nil, prefix, k))
+}
+
+// appendRecordKey appends the Redis key of k's record under prefix (see
+// recordKey) to dst, and returns the extended slice.
+func appendRecordKey(dst []byte, prefix string, k idemserver.Key) []byte {
 	n := len(prefix) + len(k.Scope) + len(k.Key) + 3
 	plain := !strings.ContainsAny(k.Scope, escaped) && !strings.ContainsAny(k.Key, escaped)
 	if !plain {
 		n += 2 * (count(k.Scope) + count(k.Key))
 	}
-	var b strings.Builder
-	b.Grow(n)
-	b.WriteString(prefix)
-	b.WriteByte('{')
-	writeEscaped(&b, k.Scope, plain)
-	b.WriteByte(':')
-	writeEscaped(&b, k.Key, plain)
-	b.WriteByte('}')
-	return b.String()
+	dst = slices.Grow(dst, n)
+	dst = append(dst, prefix...)
+	dst = append(dst, '{')
+	dst = appendEscaped(dst, k.Scope, plain)
+	dst = append(dst, ':')
+	dst = appendEscaped(dst, k.Key, plain)
+	return append(dst, '}')
 }
 
 // escaped holds the bytes recordKey escapes.
@@ -37,21 +42,19 @@ const escaped = "%:{}"
 
 const hexDigits = "0123456789ABCDEF"
 
-func writeEscaped(b *strings.Builder, s string, plain bool) {
+func appendEscaped(dst []byte, s string, plain bool) []byte {
 	if plain {
-		b.WriteString(s)
-		return
+		return append(dst, s...)
 	}
 	for i := 0; i < len(s); i++ {
 		c := s[i]
 		if strings.IndexByte(escaped, c) < 0 {
-			b.WriteByte(c)
+			dst = append(dst, c)
 			continue
 		}
-		b.WriteByte('%')
-		b.WriteByte(hexDigits[c>>4])
-		b.WriteByte(hexDigits[c&15])
+		dst = append(dst, '%', hexDigits[c>>4], hexDigits[c&15])
 	}
+	return dst
 }
 
 // count returns how many bytes of s recordKey escapes.

@@ -157,10 +157,9 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 	if d := c.Now.Sub(s.now()); d > MaxClockSkew || d < -MaxClockSkew {
 		return false, record{}, fmt.Errorf("%w: claim of %q stamped %v from it", ErrClockSkew, c.Key.Key, d)
 	}
-	a := newClaimArgs(recordKey(s.prefix, c.Key), c, token)
-	key, value, ttl := a.key, a.value, a.ttl
+	a := newClaimArgs(s.prefix, c, token)
 	if takeOver {
-		return s.replace(ctx, key, value, ttl, c.Now, token, expiredToken)
+		return s.replace(ctx, string(a.key), a.value, a.ttl, c.Now, token, expiredToken)
 	}
 	cmd := redis.NewStringCmd(ctx, a.args[:]...)
 	err := s.client.Process(ctx, cmd)
@@ -176,7 +175,7 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 		// finds itself: read the record, a second round trip only while
 		// Redis refuses writes.
 		full = err
-		cmd = s.client.Get(ctx, key)
+		cmd = s.client.Get(ctx, string(a.key))
 		if errors.Is(cmd.Err(), redis.Nil) {
 			return false, record{}, fmt.Errorf("redisstore: claim: %w", err)
 		}
@@ -202,32 +201,43 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 		if full != nil {
 			return false, record{}, fmt.Errorf("redisstore: claim of a key whose record expired: %w", full)
 		}
-		return s.replace(ctx, key, value, ttl, c.Now, token, "")
+		return s.replace(ctx, string(a.key), a.value, a.ttl, c.Now, token, "")
 	}
 	return false, rec, nil
 }
 
 // claimArgs holds the arguments of a claim's SET NX GET in one
 // allocation: the command's arguments point into it, rather than each
-// being boxed on its own.
+// being boxed, or the key and the value made, on their own.
 type claimArgs struct {
-	key   string
-	value []byte // the new record; in buf when its token is short
-	ttl   int64  // the native expiry, in milliseconds
-	args  [7]any
-	buf   [offToken + 48]byte
+	key    []byte // the record's key; in keyBuf when short
+	value  []byte // the new record; in buf when its token is short
+	ttl    int64  // the native expiry, in milliseconds
+	args   [7]any
+	keyBuf [96]byte
+	buf    [offToken + 48]byte
 }
 
-func newClaimArgs(key string, c idemserver.Claim, token string) *claimArgs {
-	a := &claimArgs{key: key, ttl: ttlMillis(withMargin(c.LeaseExpires.Sub(c.Now)))}
+func newClaimArgs(prefix string, c idemserver.Claim, token string) *claimArgs {
+	a := &claimArgs{ttl: ttlMillis(withMargin(c.LeaseExpires.Sub(c.Now)))}
+	a.key = appendRecordKey(a.keyBuf[:0], prefix, c.Key)
 	a.value = appendInProgress(a.buf[:0], c.Fingerprint, c.LeaseExpires, token)
-	a.args = [...]any{"set", &a.key, a, "nx", "get", "px", &a.ttl}
+	a.args = [...]any{"set", (*claimKey)(a), (*claimValue)(a), "nx", "get", "px", &a.ttl}
 	return a
 }
 
-// MarshalBinary returns the new record, which go-redis sends as the value
-// of the SET.
-func (a *claimArgs) MarshalBinary() ([]byte, error) { return a.value, nil }
+// claimKey and claimValue are views of a claimArgs that go-redis sends
+// through their MarshalBinary: the key and the value of the SET.
+type (
+	claimKey   claimArgs
+	claimValue claimArgs
+)
+
+// MarshalBinary returns the record's key.
+func (a *claimKey) MarshalBinary() ([]byte, error) { return a.key, nil }
+
+// MarshalBinary returns the new record.
+func (a *claimValue) MarshalBinary() ([]byte, error) { return a.value, nil }
 
 // replace runs the takeover script: see takeOverScript.
 func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64, now time.Time, token, expiredToken string) (bool, record, error) {
@@ -256,6 +266,11 @@ func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64
 // refusedWrite reports whether err is Redis refusing a write command in a
 // state where it still answers reads.
 func refusedWrite(err error) bool {
+	if err == nil {
+		// Before errors.As, whose target would be allocated on every
+		// claim.
+		return false
+	}
 	if redis.IsOOMError(err) {
 		return true
 	}
