@@ -197,3 +197,72 @@ func TestDamagedFrameBeforeTornTailIsCorruption(t *testing.T) {
 	defer s.Close()
 	assert.Equal(t, map[string]string{"b": "kb"}, pendingMap(t, s), "salvage keeps b, drops damaged a and torn c")
 }
+
+// An operation id is opaque bytes, so it can hold a whole frame: one that
+// would give another operation a key of the id's choosing. A frame whose
+// header checks out has a trusted length, so recovery never looks for
+// frames inside it: not in a torn one, and not in a damaged one skipped by
+// salvage.
+func TestFileKeyStoreFrameInsideRecordIsNotRead(t *testing.T) {
+	forged := frameOf(keylog.AppendAcquire(nil, "victim", "forged", 1))
+	smuggler := "order-" + string(forged) + "-end"
+	steps := []storeStep{acq("victim", "kv", "kv"), acq(smuggler, "ks", "ks"), acq("c", "kc", "kc")}
+	p := buildStore(t, steps)
+	data, err := os.ReadFile(p)
+	require.NoError(t, err)
+	offs := frameOffsets(t, p) // victim, smuggler, c, end
+	tests := []struct {
+		name    string
+		data    []byte
+		opts    []FileOption
+		want    map[string]string
+		trimmed int64
+		skipped []int64
+	}{
+		{
+			name:    "torn after the forged frame",
+			data:    data[:offs[2]-1],
+			want:    map[string]string{"victim": "kv"},
+			trimmed: offs[2] - 1 - offs[1],
+		},
+		{
+			name:    "damaged before the forged frame, salvaged",
+			data:    flipByte(data, offs[1]+keylog.FrameHeaderSize),
+			opts:    []FileOption{WithSalvage()},
+			want:    map[string]string{"victim": "kv", "c": "kc"},
+			skipped: []int64{offs[1]},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s, err := OpenFileKeyStore(writeVariant(t, tt.data), tt.opts...)
+			require.NoError(t, err)
+			defer s.Close()
+			assert.Equal(t, tt.want, pendingMap(t, s))
+			rec := s.Recovery()
+			assert.Equal(t, tt.trimmed, rec.TrimmedBytes)
+			var skipped []int64
+			for _, ce := range rec.Skipped {
+				skipped = append(skipped, ce.Offset)
+			}
+			assert.Equal(t, tt.skipped, skipped)
+		})
+	}
+}
+
+// flipByte returns a copy of data with the byte at i inverted.
+func flipByte(data []byte, i int64) []byte {
+	d := append([]byte(nil), data...)
+	d[i] ^= 0xff
+	return d
+}
+
+// frameOf returns a frame holding records.
+func frameOf(records ...[]byte) []byte {
+	f := make([]byte, keylog.FrameHeaderSize)
+	for _, r := range records {
+		f = append(f, r...)
+	}
+	keylog.PutFrameHeader(f)
+	return f
+}

@@ -77,7 +77,10 @@ func (s *Scanner) Next() (off int64, body []byte, err error) {
 		return off, nil, s.bad(off, "frame header checksum mismatch")
 	}
 	if int64(n) > remain-FrameHeaderSize {
-		return off, nil, s.bad(off, "frame extends past the end of the file")
+		// The header checks out, so its length is trusted: this is the
+		// last write, cut short. Nothing inside it is searched for frames;
+		// a record's opaque bytes can hold one.
+		return off, nil, &BadFrame{Offset: off, Next: -1, Reason: "frame extends past the end of the file"}
 	}
 	if cap(s.body) < n {
 		s.body = make([]byte, n)
@@ -87,16 +90,25 @@ func (s *Scanner) Next() (off int64, body []byte, err error) {
 		return off, nil, readErr(err)
 	}
 	if !BodyOK(body, crc) {
-		err := s.bad(off, "frame checksum mismatch")
-		// A frame with a sound header and bytes after its end was not the
-		// last write: frames are appended only after the previous one is
-		// fsynced, so this one was acknowledged, and its damage is
-		// corruption, never a torn tail. Resume after it.
-		var bad *BadFrame
-		if end := off + FrameHeaderSize + int64(n); errors.As(err, &bad) && bad.Torn() && end < s.size {
-			bad.Next = end
+		// The header checks out, so the damage ends where its length says:
+		// the search for the next frame starts there, never inside the
+		// body, whose records' opaque bytes can hold a frame.
+		end := off + FrameHeaderSize + int64(n)
+		if end == s.size {
+			return off, nil, &BadFrame{Offset: off, Next: -1, Reason: "frame checksum mismatch"}
 		}
-		return off, nil, err
+		// A frame with bytes after its end was not the last write: frames
+		// are appended only after the previous one is fsynced, so this one
+		// was acknowledged, and its damage is corruption, never a torn
+		// tail. Resume at the next valid frame, or just after it.
+		next, err := s.Resync(end)
+		if err != nil {
+			return off, nil, err
+		}
+		if next < 0 {
+			next = end
+		}
+		return off, nil, &BadFrame{Offset: off, Next: next, Reason: "frame checksum mismatch"}
 	}
 	s.off += FrameHeaderSize + int64(n)
 	return off, body, nil
