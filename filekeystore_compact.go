@@ -2,8 +2,10 @@ package idemhttp
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -142,8 +144,24 @@ func (s *FileKeyStore) discard(tf *os.File) {
 // temporary path, locked so it is never visible unlocked once renamed. It
 // returns the file and its size. stopped is polled between frames.
 func (s *FileKeyStore) writeCompacted(live []liveRecord, stopped func() bool) (*os.File, int64, error) {
-	tf, err := os.OpenFile(s.tempPath(), os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	// The new file takes the old one's place, so it gets the mode the
+	// operator gave the old one (umask aside: hence the Chmod).
+	perm := os.FileMode(0o600)
+	if fi, err := os.Stat(s.path); err == nil {
+		perm = fi.Mode().Perm()
+	}
+	// Whatever holds the temporary name goes first, and O_EXCL creates the
+	// file without following a symbolic link planted there, whose target
+	// O_TRUNC would truncate and the rename would make the store.
+	if err := os.Remove(s.tempPath()); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, 0, err
+	}
+	tf, err := os.OpenFile(s.tempPath(), os.O_RDWR|os.O_CREATE|os.O_EXCL, perm)
 	if err != nil {
+		return nil, 0, err
+	}
+	if err := tf.Chmod(perm); err != nil {
+		s.discard(tf)
 		return nil, 0, err
 	}
 	if err := lockTemp(tf); err != nil {
