@@ -155,8 +155,11 @@ func (s *MemoryStore) init() {
 		s.seed = maphash.MakeSeed()
 		s.shards = make([]memShard, n)
 		s.mask = uint64(n - 1)
-		s.shardEntries = (s.maxEntries + n - 1) / n
-		s.shardBytes = (s.maxBytes + int64(n) - 1) / int64(n)
+		// Each shard's share is rounded up, as (x-1)/n + 1 rather than
+		// (x+n-1)/n, which overflows into a negative share, and so a store
+		// that refuses every key, for a bound near the largest int.
+		s.shardEntries = (s.maxEntries-1)/n + 1
+		s.shardBytes = (s.maxBytes-1)/int64(n) + 1
 		for i := range s.shards {
 			s.shards[i].init()
 		}
