@@ -121,8 +121,13 @@ func WithEvictOldest() MemoryOption {
 	return func(s *MemoryStore) { s.evictOldest = true }
 }
 
-// WithShards sets the number of shards, rounded up to a power of two.
-// Values below 1 mean [DefaultShards].
+// maxShards is the most shards a MemoryStore is split into: far more than
+// there are cores to contend for locks, and few enough that rounding up to
+// a power of two cannot overflow.
+const maxShards = 1 << 16
+
+// WithShards sets the number of shards, rounded up to a power of two, and
+// at most 65,536. Values below 1 mean [DefaultShards].
 func WithShards(n int) MemoryOption {
 	return func(s *MemoryStore) { s.nshards = n }
 }
@@ -148,6 +153,9 @@ func (s *MemoryStore) init() {
 		if s.nshards < 1 {
 			s.nshards = DefaultShards
 		}
+		// Rounding a larger number up to a power of two would overflow
+		// and never end.
+		s.nshards = min(s.nshards, maxShards)
 		n := 1
 		for n < s.nshards {
 			n <<= 1

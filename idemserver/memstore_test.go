@@ -596,3 +596,13 @@ func TestMemoryStoreHugeBounds(t *testing.T) {
 		})
 	}
 }
+
+// A number of shards of any size works: one past the largest power of two
+// an int holds is capped, rather than rounded up forever.
+func TestMemoryStoreHugeShards(t *testing.T) {
+	s := NewMemoryStore(WithShards(math.MaxInt))
+	assert.Len(t, s.shards, maxShards)
+	res, err := s.Claim(t.Context(), testClaim("k", newFakeClock().Now()))
+	require.NoError(t, err)
+	assert.True(t, res.Claimed)
+}
