@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"sync/atomic"
@@ -659,6 +660,10 @@ func readBody(body io.Reader, contentLength, max int64, buf []byte) ([]byte, err
 	if contentLength > max {
 		return nil, errBodyTooLarge
 	}
+	// max+1, here and in growBody, must not overflow for a limit of "no
+	// limit" (math.MaxInt64); no body is that long, so one byte less
+	// changes nothing else.
+	max = min(max, math.MaxInt64-1)
 	expect := max + 1
 	if contentLength >= 0 {
 		expect = contentLength + 1
