@@ -59,7 +59,13 @@ func (k *leaseKeeper) start(claimed time.Time) {
 	defer k.mu.Unlock()
 	k.leaseEnd = claimed.Add(cfg.lease)
 	k.holdEnd = claimed.Add(cfg.maxHold)
-	k.timer = time.AfterFunc(min(renewEvery(cfg.lease), cfg.maxHold), k.renew)
+	// The first renewal is due a third of a lease after the claim, not
+	// after the handler starts: a store that answered the claim late has
+	// used up part of the lease already, and a renewal due a third of a
+	// lease from now could come after the lease ended and another request
+	// took the key over.
+	first := min(time.Until(claimed.Add(renewEvery(cfg.lease))), time.Until(k.holdEnd))
+	k.timer = time.AfterFunc(first, k.renew)
 }
 
 // renew runs on the timer's goroutine: it extends the lease, tries again

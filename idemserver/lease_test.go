@@ -451,3 +451,36 @@ func TestClaimAnsweredAfterItsLease(t *testing.T) {
 	assert.Equal(t, http.StatusCreated, w.Code, "the key was released for the retry")
 	assert.EqualValues(t, 1, h.calls.Load())
 }
+
+// TestSlowClaimLeaseRenewedInTime has the store answer a claim late, with
+// little of the lease it granted left. The lease runs from the claim, not
+// from when the answer arrived, so its first renewal must be due a third
+// of a lease after the claim: a duplicate sent after the granted lease has
+// ended is told 409, and the handler, which is still running, is not run
+// a second time.
+func TestSlowClaimLeaseRenewedInTime(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := newStubStore()
+		var slow atomic.Bool
+		slow.Store(true)
+		store.claim = func(ctx context.Context, c Claim) (ClaimResult, error) {
+			res, err := store.MemoryStore.Claim(ctx, c)
+			if slow.Swap(false) {
+				time.Sleep(testLease * 9 / 10)
+			}
+			return res, err
+		}
+		h := newRunFor(5*testLease, false)
+		mw := Middleware(store, WithLease(testLease))(h)
+		start := time.Now()
+		first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		time.Sleep(testLease + testLease/10)
+		require.True(t, time.Now().After(start.Add(testLease)), "the granted lease has ended")
+		w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+		decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+		assert.EqualValues(t, 1, h.calls.Load(), "the live handler was not taken over")
+		w = <-first
+		assert.Equal(t, http.StatusCreated, w.Code)
+		assert.Nil(t, h.cause.Load(), "the handler's context did not end")
+	})
+}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
@@ -204,5 +205,28 @@ func TestReadBodySizes(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// A body limit of any size works: one at the largest int64, "no limit",
+// does not overflow when the buffer grows toward it.
+func TestRequestBodyHugeLimit(t *testing.T) {
+	body := strings.Repeat("a", 10<<10)
+	for _, chunked := range []bool{false, true} {
+		t.Run(fmt.Sprint("chunked=", chunked), func(t *testing.T) {
+			var got []byte
+			mw := Middleware(nil, WithMaxBodyBytes(math.MaxInt64))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				got, _ = io.ReadAll(r.Body)
+				w.WriteHeader(http.StatusCreated)
+			}))
+			r := newRequest(http.MethodPost, "/x", "k", body)
+			if chunked {
+				r.Body = io.NopCloser(unknownLength{strings.NewReader(body)})
+				r.ContentLength = -1
+			}
+			w := serve(mw, r)
+			assert.Equal(t, http.StatusCreated, w.Code)
+			assert.Equal(t, body, string(got))
+		})
 	}
 }

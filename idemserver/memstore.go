@@ -121,8 +121,13 @@ func WithEvictOldest() MemoryOption {
 	return func(s *MemoryStore) { s.evictOldest = true }
 }
 
-// WithShards sets the number of shards, rounded up to a power of two.
-// Values below 1 mean [DefaultShards].
+// maxShards is the most shards a MemoryStore is split into: far more than
+// there are cores to contend for locks, and few enough that rounding up to
+// a power of two cannot overflow.
+const maxShards = 1 << 16
+
+// WithShards sets the number of shards, rounded up to a power of two, and
+// at most 65,536. Values below 1 mean [DefaultShards].
 func WithShards(n int) MemoryOption {
 	return func(s *MemoryStore) { s.nshards = n }
 }
@@ -148,6 +153,9 @@ func (s *MemoryStore) init() {
 		if s.nshards < 1 {
 			s.nshards = DefaultShards
 		}
+		// Rounding a larger number up to a power of two would overflow
+		// and never end.
+		s.nshards = min(s.nshards, maxShards)
 		n := 1
 		for n < s.nshards {
 			n <<= 1
@@ -155,8 +163,11 @@ func (s *MemoryStore) init() {
 		s.seed = maphash.MakeSeed()
 		s.shards = make([]memShard, n)
 		s.mask = uint64(n - 1)
-		s.shardEntries = (s.maxEntries + n - 1) / n
-		s.shardBytes = (s.maxBytes + int64(n) - 1) / int64(n)
+		// Each shard's share is rounded up, as (x-1)/n + 1 rather than
+		// (x+n-1)/n, which overflows into a negative share, and so a store
+		// that refuses every key, for a bound near the largest int.
+		s.shardEntries = (s.maxEntries-1)/n + 1
+		s.shardBytes = (s.maxBytes-1)/int64(n) + 1
 		for i := range s.shards {
 			s.shards[i].init()
 		}

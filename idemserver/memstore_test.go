@@ -575,3 +575,34 @@ func TestMemShardExpiryOrder(t *testing.T) {
 	assert.Zero(t, sh.bytes)
 	assert.Zero(t, sh.done)
 }
+
+// Bounds of any size work: one too large to share evenly among the shards
+// without overflowing an int does not turn into a store that refuses
+// every key.
+func TestMemoryStoreHugeBounds(t *testing.T) {
+	now := newFakeClock().Now()
+	for _, tt := range []struct {
+		name string
+		opt  MemoryOption
+	}{
+		{"entries", WithMaxEntries(math.MaxInt)},
+		{"bytes", WithMaxBytes(math.MaxInt64)},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := NewMemoryStore(tt.opt)
+			res, err := s.Claim(t.Context(), testClaim("k", now))
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+		})
+	}
+}
+
+// A number of shards of any size works: one past the largest power of two
+// an int holds is capped, rather than rounded up forever.
+func TestMemoryStoreHugeShards(t *testing.T) {
+	s := NewMemoryStore(WithShards(math.MaxInt))
+	assert.Len(t, s.shards, maxShards)
+	res, err := s.Claim(t.Context(), testClaim("k", newFakeClock().Now()))
+	require.NoError(t, err)
+	assert.True(t, res.Claimed)
+}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"sync/atomic"
@@ -279,8 +280,16 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fingerprint, bufs *buffers) {
 	cfg := m.cfg
 	ctx := r.Context()
+	// sent is when the latest claim was sent, by the runtime's clock, on
+	// which the lease keeper runs: the lease runs from then, however late
+	// the store answers.
+	var sent time.Time
 	newClaim := func() Claim {
 		now := cfg.now()
+		sent = now
+		if cfg.ownClock {
+			sent = time.Now()
+		}
 		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease)}
 	}
 	c := newClaim()
@@ -299,7 +308,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
 			return
 		case res.Claimed:
-			if m.run(w, r, key, c, &res, bufs, reruns < MaxReruns) {
+			if m.run(w, r, key, c, sent, &res, bufs, reruns < MaxReruns) {
 				// The store discarded the attempt and asked for another.
 				reruns++
 				c = newClaim()
@@ -378,9 +387,9 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 // store asks for the request to run again (see [ErrRetryRequest]) and
 // mayRerun is set, it sends nothing, leaves w's header as it found it, and
 // reports true.
-func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, claim *PackedClaimResult, bufs *buffers, mayRerun bool) (rerun bool) {
+func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, sent time.Time, claim *PackedClaimResult, bufs *buffers, mayRerun bool) (rerun bool) {
 	cfg := m.cfg
-	token, claimed := c.Token, c.Now
+	token := c.Token
 	if !cfg.now().Before(c.LeaseExpires) {
 		// The store's answer came after the lease it granted had ended:
 		// another request may take the key over at any moment, so the
@@ -439,10 +448,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	x.detached.parent = storeCtx
 	storeCtx = &x.detached
 	lease.ctx, lease.hctx = &x.detached, ctx
-	if cfg.ownClock { // the keeper runs on the runtime's clock
-		claimed = time.Now()
-	}
-	lease.start(claimed)
+	lease.start(sent)
 
 	// A response held back by a store that holds responses (and so
 	// discards the attempt's work with it) may be dropped for another run.
@@ -654,6 +660,10 @@ func readBody(body io.Reader, contentLength, max int64, buf []byte) ([]byte, err
 	if contentLength > max {
 		return nil, errBodyTooLarge
 	}
+	// max+1, here and in growBody, must not overflow for a limit of "no
+	// limit" (math.MaxInt64); no body is that long, so one byte less
+	// changes nothing else.
+	max = min(max, math.MaxInt64-1)
 	expect := max + 1
 	if contentLength >= 0 {
 		expect = contentLength + 1

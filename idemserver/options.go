@@ -228,10 +228,14 @@ func WithReplayedHeaders(names ...string) Option {
 // for in their Retry-After field. Values below one second mean one second.
 func WithRetryAfter(d time.Duration) Option {
 	return func(c *config) {
-		secs := (d + time.Second - 1) / time.Second
-		if secs < 1 {
-			secs = 1
+		// Rounded up by adding a second for a remainder, rather than by
+		// adding a second less a nanosecond first, which overflows a wait
+		// near the largest Duration into a negative one, and so one second.
+		secs := d / time.Second
+		if d%time.Second > 0 {
+			secs++
 		}
+		secs = max(secs, 1)
 		c.retryAfter = strconv.FormatInt(int64(secs), 10)
 	}
 }

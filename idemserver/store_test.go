@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -211,5 +212,23 @@ func TestDamagedStoredResponse(t *testing.T) {
 			assert.Equal(t, OutcomeUnavailable, events[0].Outcome)
 			assert.Error(t, events[0].Err)
 		})
+	}
+}
+
+// Retry-After is the wait rounded up to whole seconds, at least one, for a
+// wait of any size: the longest is not rounded past the largest Duration
+// into the shortest.
+func TestRetryAfterRounding(t *testing.T) {
+	for _, tt := range []struct {
+		d    time.Duration
+		want string
+	}{
+		{-time.Second, "1"},
+		{time.Millisecond, "1"},
+		{time.Second, "1"},
+		{2500 * time.Millisecond, "3"},
+		{math.MaxInt64, "9223372037"},
+	} {
+		assert.Equal(t, tt.want, newConfig([]Option{WithRetryAfter(tt.d)}).retryAfter, "%v", tt.d)
 	}
 }
