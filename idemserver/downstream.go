@@ -40,6 +40,14 @@ const deriveDomain = "idemhttp/idemserver Key.Derive v1\x00"
 // is the 43-character unpadded base64url encoding of the hash, a valid key
 // for [ParseKey] and for most services' key syntax; it reveals neither the
 // scope nor the key.
+//
+// Since the request's body is not part of it, a client that sends a key
+// again for a different request after the key's record has expired gets
+// the same derived key, and a service that keeps keys longer than this
+// middleware would answer that request with the first one's outcome. Keys
+// name one operation each, as idemhttp's client makes them; a service
+// whose clients may reuse theirs should keep records at least as long as
+// the services its handlers call.
 func (k Key) Derive(label string) string {
 	h := sha256.New()
 	var buf [binary.MaxVarintLen64]byte
