@@ -185,7 +185,8 @@ func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimR
 
 // lockID returns the advisory lock of a key: 64 bits of a SHA-256 of the
 // table and the key, so that no tenant can pick keys whose locks collide
-// with another's.
+// with another's. The claim mixes the table's oid into it, since the
+// table's name may lack a schema.
 func (s *Store) lockID(k idemserver.Key) int64 {
 	h := sha256.New()
 	var n [binary.MaxVarintLen64]byte

@@ -333,3 +333,32 @@ func TestTransactionalHandlerThatEndsTxItself(t *testing.T) {
 		})
 	}
 }
+
+func TestTransactionalLocksOfTablesOfOneNameInTwoSchemas(t *testing.T) {
+	// Two services keep their records in tables of the default name, each
+	// in its own schema (its search_path), of one database. A key in
+	// flight in one must not hold up the same key in the other: a gateway
+	// that passes its key on to a service behind it would otherwise be
+	// refused with 409 for as long as its own claim is open.
+	a, b := newTestDB(t, 4), newTestDB(t, 4)
+	sa, sb := a.newStore(t, WithTransactional()), b.newStore(t, WithTransactional())
+	require.Equal(t, sa.table, sb.table, "one table name, unqualified")
+
+	entered, release := make(chan struct{}), make(chan struct{})
+	first := make(chan int, 1)
+	go func() {
+		status, _, _ := post(idemserver.Middleware(sa)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			close(entered)
+			<-release
+			w.WriteHeader(http.StatusCreated)
+		})), "k")
+		first <- status
+	}()
+	<-entered
+	status, body, _ := post(idemserver.Middleware(sb)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	})), "k")
+	close(release)
+	assert.Equal(t, http.StatusCreated, status, body)
+	assert.Equal(t, http.StatusCreated, <-first)
+}
