@@ -177,9 +177,12 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock, taken without
-		// waiting, it inserts the claim; it always returns one row.
+		// waiting, it inserts the claim; it always returns one row. The
+		// lock is the key's (see lockID) mixed with the table's oid: a
+		// name without a schema names a different table under each
+		// search_path, and those tables' keys must not share locks.
 		claimTx: r.Replace(`WITH lock AS (
-	SELECT pg_try_advisory_xact_lock($6) AS locked
+	SELECT pg_try_advisory_xact_lock($6 # '{table}'::regclass::oid::int8) AS locked
 ), ins AS (
 	INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
 	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second', now() + $7::float8 * interval '1 second'

@@ -72,7 +72,8 @@
 // runs that statement inside a SAVEPOINT and rolls back to it first. The
 // handler must not commit or roll back Tx itself. The transaction has the database's
 // default isolation level. The advisory locks are 64-bit hashes of the
-// table, scope and key, in the database's one advisory lock space. A table
+// table (its oid, whatever schema it is found in), scope and key, in the
+// database's one advisory lock space. A table
 // serves one mode: lease-mode and transactional stores must not share it.
 //
 // # The clock

@@ -26,7 +26,9 @@ func WithTransactional() Option {
 // returns nil outside transactional mode, and for a context without a claim.
 //
 // The handler must not commit or roll the transaction back: the store does,
-// when the middleware completes or releases the claim.
+// when the middleware completes or releases the claim. (If a handler
+// commits it anyway, Complete stores the response after that commit, not
+// atomically with it; if it rolls back, Complete reports the rollback.)
 func Tx(ctx context.Context) *sql.Tx {
 	if st, _ := ctx.Value(txKey{}).(*txState); st != nil {
 		return st.tx
@@ -183,7 +185,8 @@ func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimR
 
 // lockID returns the advisory lock of a key: 64 bits of a SHA-256 of the
 // table and the key, so that no tenant can pick keys whose locks collide
-// with another's.
+// with another's. The claim mixes the table's oid into it, since the
+// table's name may lack a schema.
 func (s *Store) lockID(k idemserver.Key) int64 {
 	h := sha256.New()
 	var n [binary.MaxVarintLen64]byte
@@ -199,6 +202,9 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encoded []byte) error {
 	st.ended.Store(true)
 	n, err := execRows(ctx, st.tx, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+	if errors.Is(err, sql.ErrTxDone) {
+		return s.completeEndedTx(ctx, st, ttl, encoded)
+	}
 	if err == nil && n == 0 {
 		err = errors.New("the claim's row is gone from its transaction")
 	}
@@ -219,6 +225,27 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 	// Nothing may be released; the client's retry reads what the table
 	// holds.
 	return fmt.Errorf("pgstore: commit: %w: %w", idemserver.ErrOutcomeUnknown, err)
+}
+
+// completeEndedTx stores resp for a claim whose transaction the handler
+// ended itself, against Tx's contract. If the handler committed, its writes
+// and the claim are kept: the response is stored beside them, in a
+// statement of its own, since reporting a rollback that did not happen
+// would tell the client nothing was done and leave the claim in progress
+// for good (every retry 409, until Sweep removed it and the handler ran
+// again). If the handler rolled back, no claim is there and nothing was
+// kept.
+func (s *Store) completeEndedTx(ctx context.Context, st *txState, ttl float64, encoded []byte) error {
+	n, err := execRows(ctx, s.db, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+	switch {
+	case err != nil:
+		// Whether the handler committed cannot be told: nothing may be
+		// released, and the retry reads what the table holds.
+		return fmt.Errorf("pgstore: complete after the handler ended its transaction: %w: %w", idemserver.ErrOutcomeUnknown, err)
+	case n == 0:
+		return s.rolledBack(st, errors.New("the handler rolled back its transaction itself"))
+	}
+	return nil
 }
 
 // commitRefused reports whether err, from a COMMIT, is the server's answer

@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"net/http"
@@ -286,4 +287,78 @@ func TestTransactionalRetentionRunsFromTheCommit(t *testing.T) {
 	// that; a millisecond covers the rounding to microseconds.
 	assert.False(t, expires.Before(handlerEnd.Add(ttl-time.Millisecond)),
 		"the record expires %v after the handler ended; want at least the TTL, %v", expires.Sub(handlerEnd), ttl)
+}
+
+func TestTransactionalHandlerThatEndsTxItself(t *testing.T) {
+	// A handler that commits Tx itself, against its contract, has made its
+	// writes and the claim durable: its response must be stored beside
+	// them, not reported as rolled back (the client would be told nothing
+	// was done, and every retry would get 409 until Sweep removed the claim
+	// and the handler ran again). One that rolls back has done nothing.
+	for _, tt := range []struct {
+		name     string
+		end      func(*sql.Tx) error
+		status   int
+		payments int
+		records  int
+	}{
+		{"commit", (*sql.Tx).Commit, http.StatusCreated, 1, 1},
+		{"rollback", (*sql.Tx).Rollback, http.StatusServiceUnavailable, 0, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			s := db.newStore(t, WithTransactional())
+			var runs atomic.Int64
+			h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs.Add(1)
+				tx := Tx(r.Context())
+				_, err := tx.ExecContext(r.Context(), "INSERT INTO payments (key) VALUES ('k')")
+				require.NoError(t, err)
+				require.NoError(t, tt.end(tx))
+				w.WriteHeader(http.StatusCreated)
+			}))
+			status, body, _ := post(h, "k")
+			assert.Equal(t, tt.status, status, body)
+			assert.Equal(t, tt.payments, countPayments(t, db.DB, "k"))
+			assert.Equal(t, tt.records, countKeys(t, db, s), "records")
+			assert.Zero(t, db.Stats().InUse, "no transaction left open")
+
+			// The retry gets what was kept: the stored response, or a run.
+			status, body, replayed := post(h, "k")
+			assert.Equal(t, tt.status, status, body)
+			assert.Equal(t, tt.status == http.StatusCreated, replayed, "replayed")
+			assert.Equal(t, int64(2-tt.records), runs.Load(), "handler runs")
+		})
+	}
+}
+
+func TestTransactionalLocksOfTablesOfOneNameInTwoSchemas(t *testing.T) {
+	// Two services keep their records in tables of the default name, each
+	// in its own schema (its search_path), of one database. A key in
+	// flight in one must not hold up the same key in the other: a gateway
+	// that passes its key on to a service behind it would otherwise be
+	// refused with 409 for as long as its own claim is open.
+	a, b := newTestDB(t, 4), newTestDB(t, 4)
+	sa, sb := a.newStore(t, WithTransactional()), b.newStore(t, WithTransactional())
+	require.Equal(t, sa.table, sb.table, "one table name, unqualified")
+
+	entered, release := make(chan struct{}), make(chan struct{})
+	first := make(chan int, 1)
+	go func() {
+		status, _, _ := post(idemserver.Middleware(sa)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			close(entered)
+			<-release
+			w.WriteHeader(http.StatusCreated)
+		})), "k")
+		first <- status
+	}()
+	<-entered
+	status, body, _ := post(idemserver.Middleware(sb)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	})), "k")
+	close(release)
+	assert.Equal(t, http.StatusCreated, status, body)
+	assert.Equal(t, http.StatusCreated, <-first)
 }
