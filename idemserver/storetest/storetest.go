@@ -757,6 +757,10 @@ func testScopes(t *testing.T, h *harness) {
 		{"bytes that are not UTF-8", idemserver.Key{Scope: "\xff\xfe", Key: "k"}, idemserver.Key{Scope: "\xff\xfd", Key: "k"}},
 		{"longest key", idemserver.Key{Scope: "s", Key: strings.Repeat("k", idemserver.MaxKeyLen)}, idemserver.Key{Scope: "s", Key: strings.Repeat("k", idemserver.MaxKeyLen-1) + "j"}},
 		{"case", idemserver.Key{Scope: "Tenant", Key: "K"}, idemserver.Key{Scope: "tenant", Key: "k"}},
+		// A quoted key may end in a space, and a scope may; a SQL column
+		// whose collation pads with spaces would take these for one.
+		{"trailing space in the key", idemserver.Key{Key: "pad"}, idemserver.Key{Key: "pad "}},
+		{"trailing space in the scope", idemserver.Key{Scope: "pad", Key: "k"}, idemserver.Key{Scope: "pad ", Key: "k"}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := h.sub(t)

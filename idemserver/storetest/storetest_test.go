@@ -29,6 +29,7 @@ type broken struct {
 	claim       func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error)
 	takeOver    func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error)
 	complete    func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error
+	release     func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string) error
 	extend      func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error
 }
 
@@ -54,6 +55,9 @@ func (b *broken) Complete(ctx context.Context, k idemserver.Key, token string, r
 }
 
 func (b *broken) Release(ctx context.Context, k idemserver.Key, token string) error {
+	if b.release != nil {
+		return b.release(b.MemoryStore, ctx, k, token)
+	}
 	return b.MemoryStore.Release(ctx, k, token)
 }
 
@@ -152,6 +156,32 @@ var brokenStores = map[string]struct {
 			b.extend = func(*idemserver.MemoryStore, context.Context, idemserver.Key, string, time.Time) error { return nil }
 		},
 		fails: []string{"Run/Extend", "Run/StaleTokens/released/Extend"},
+	},
+	"ignores trailing spaces": {
+		// As a SQL column whose collation pads with spaces compares them.
+		store: func(b *broken) {
+			trim := func(k idemserver.Key) idemserver.Key {
+				return idemserver.Key{Scope: strings.TrimRight(k.Scope, " "), Key: strings.TrimRight(k.Key, " ")}
+			}
+			b.claim = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				c.Key = trim(c.Key)
+				return s.Claim(ctx, c)
+			}
+			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				c.Key = trim(c.Key)
+				return s.TakeOver(ctx, c, token)
+			}
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				return s.Complete(ctx, trim(k), token, resp, exp)
+			}
+			b.release = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string) error {
+				return s.Release(ctx, trim(k), token)
+			}
+			b.extend = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error {
+				return s.Extend(ctx, trim(k), token, exp)
+			}
+		},
+		fails: []string{"Run/Scopes/trailing_space_in_the_key", "Run/Scopes/trailing_space_in_the_scope"},
 	},
 	"takes over any lease": {
 		store: func(b *broken) {
