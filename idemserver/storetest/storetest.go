@@ -98,6 +98,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"ConcurrentClaimsOfExpiredRecord", testConcurrentClaimsOfExpiredRecord},
 		{"Expiry", testExpiry},
 		{"LeaseExpiry", testLeaseExpiry},
+		{"CompleteAfterLeaseEnded", testCompleteAfterLeaseEnded},
 		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
 		{"Extend", testExtend},
 		{"StaleTokens", testStaleTokens},
@@ -555,6 +556,20 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	assert.False(t, res.Claimed, "TakeOver of a completed key")
 	require.True(t, res.Record.Completed())
 	assertSameResponse(t, created, res.Record.Response)
+}
+
+func testCompleteAfterLeaseEnded(t *testing.T, h *harness) {
+	// A lease that ended but was not taken over still holds: its handler
+	// may have acted, so Complete keeps the response, and keeps it until
+	// its own expiry, not the lease's end. A store that refused it, or
+	// forgot it when the lease would have ended, would let a retry run the
+	// handler again.
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	l := h.mustClaim(key, f, short)
+	h.waitLeaseExpired(key, l)
+	require.NoError(t, h.complete(l, created, live), "Complete of an ended lease that no one took over")
+	h.expectReplay(key, f, created)
 }
 
 func testConcurrentTakeOvers(t *testing.T, h *harness) {

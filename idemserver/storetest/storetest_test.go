@@ -68,6 +68,21 @@ func (b *broken) Extend(ctx context.Context, k idemserver.Key, token string, exp
 	return b.MemoryStore.Extend(ctx, k, token, exp)
 }
 
+// peek returns the record of k without changing it, if there is one.
+func peek(ctx context.Context, s *idemserver.MemoryStore, k idemserver.Key) (idemserver.Record, bool) {
+	now := time.Now()
+	c := idemserver.Claim{Key: k, Token: "peek", Now: now, LeaseExpires: now}
+	res, err := s.Claim(ctx, c)
+	if err != nil {
+		return idemserver.Record{}, false
+	}
+	if res.Claimed {
+		_ = s.Release(ctx, k, c.Token)
+		return idemserver.Record{}, false
+	}
+	return res.Record, true
+}
+
 // brokenStores are stores that each break one rule, with the subtests of
 // the suite that must catch it.
 var brokenStores = map[string]struct {
@@ -182,6 +197,30 @@ var brokenStores = map[string]struct {
 			}
 		},
 		fails: []string{"Run/Scopes/trailing_space_in_the_key", "Run/Scopes/trailing_space_in_the_scope"},
+	},
+	"keeps a record only until its lease ends": {
+		// As a store that sets the record's time to live when it claims
+		// and forgets to move it on when it completes.
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() && rec.LeaseExpires.Before(exp) {
+					exp = rec.LeaseExpires
+				}
+				return s.Complete(ctx, k, token, resp, exp)
+			}
+		},
+		fails: []string{"Run/CompleteAfterLeaseEnded"},
+	},
+	"refuses to complete a lease that ended": {
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() && !time.Now().Before(rec.LeaseExpires) {
+					return idemserver.ErrLeaseLost
+				}
+				return s.Complete(ctx, k, token, resp, exp)
+			}
+		},
+		fails: []string{"Run/CompleteAfterLeaseEnded"},
 	},
 	"takes over any lease": {
 		store: func(b *broken) {
