@@ -222,6 +222,36 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/CompleteAfterLeaseEnded"},
 	},
+	"extends any lease of the key": {
+		store: func(b *broken) {
+			b.extend = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, _ string, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() {
+					return s.Extend(ctx, k, rec.Token, exp)
+				}
+				return idemserver.ErrLeaseLost
+			}
+		},
+		fails: []string{"Run/StaleTokens/wrong_token/Extend", "Run/StaleTokens/taken_over/Extend"},
+	},
+	"releases any lease of the key": {
+		store: func(b *broken) {
+			b.release = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, _ string) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() {
+					return s.Release(ctx, k, rec.Token)
+				}
+				return idemserver.ErrLeaseLost
+			}
+		},
+		fails: []string{"Run/StaleTokens/wrong_token/Release", "Run/StaleTokens/taken_over/Release"},
+	},
+	"takes over with a cancelled context": {
+		store: func(b *broken) {
+			b.takeOver = func(s *idemserver.MemoryStore, _ context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				return s.TakeOver(context.Background(), c, token)
+			}
+		},
+		fails: []string{"Run/CancelledContext"},
+	},
 	"takes over any lease": {
 		store: func(b *broken) {
 			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, _ string) (idemserver.ClaimResult, error) {
