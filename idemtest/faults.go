@@ -53,7 +53,8 @@ type Faults struct {
 
 	// Latency is the probability that a request is delayed, before
 	// anything else happens to it, by a duration drawn uniformly from
-	// [MinLatency, MaxLatency]. A client that gives up during the delay
+	// [MinLatency, MaxLatency]; a Latency above zero needs a MaxLatency
+	// above zero. A client that gives up during the delay
 	// finds its connection reset.
 	Latency                float64
 	MinLatency, MaxLatency time.Duration
@@ -85,6 +86,11 @@ func (f *Faults) validate() error {
 	case f.MinLatency < 0 || f.MaxLatency < f.MinLatency:
 		return fmt.Errorf("%w: latency range [%v, %v] is not a range of durations from zero up",
 			ErrInvalidFaults, f.MinLatency, f.MaxLatency)
+	case f.Latency > 0 && f.MaxLatency == 0:
+		// A fault asked for that would never fire: the test would pass
+		// without the latency it believes it injects.
+		return fmt.Errorf("%w: Latency = %v with MaxLatency = 0 delays nothing; set MaxLatency",
+			ErrInvalidFaults, f.Latency)
 	}
 	return nil
 }

@@ -41,6 +41,7 @@ func TestFaultsValidate(t *testing.T) {
 		{"negative Retry-After", Faults{RetryAfter: -time.Second}, "RetryAfter = -1s is negative"},
 		{"inverted latency", Faults{MinLatency: time.Second, MaxLatency: time.Millisecond}, "latency range [1s, 1ms]"},
 		{"negative latency", Faults{MinLatency: -time.Second}, "latency range [-1s, 0s]"},
+		{"latency of nothing", Faults{Latency: .5}, "Latency = 0.5 with MaxLatency = 0 delays nothing"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

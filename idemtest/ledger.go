@@ -17,10 +17,13 @@ type ledger struct {
 
 	mu   sync.Mutex
 	runs map[string]int
+	// running counts the runs that have not ended, which runs does not
+	// count yet: an assertion made while one goes on is not final.
+	running map[string]int
 }
 
 func newLedger(next http.Handler, header string) *ledger {
-	return &ledger{next: next, header: header, runs: make(map[string]int)}
+	return &ledger{next: next, header: header, runs: make(map[string]int), running: make(map[string]int)}
 }
 
 func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -29,6 +32,16 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		l.next.ServeHTTP(w, r)
 		return
 	}
+	l.mu.Lock()
+	l.running[key]++
+	l.mu.Unlock()
+	defer func() {
+		l.mu.Lock()
+		if l.running[key]--; l.running[key] == 0 {
+			delete(l.running, key)
+		}
+		l.mu.Unlock()
+	}()
 	sw := &statusWriter{ResponseWriter: w}
 	l.next.ServeHTTP(sw, r) // a panic is not an execution, and goes on
 	// A run that returns without a status once its context has ended is
@@ -46,6 +59,19 @@ func (l *ledger) executions() map[string]int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return maps.Clone(l.runs)
+}
+
+// inProgress returns the keys whose handler is running, sorted, with the
+// number of runs.
+func (l *ledger) inProgress() (keys []string, runs int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for key, n := range l.running {
+		keys = append(keys, key)
+		runs += n
+	}
+	slices.Sort(keys)
+	return keys, runs
 }
 
 func (l *ledger) duplicates() []string {

@@ -3,6 +3,7 @@ package idemtest
 import (
 	"context"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -67,4 +68,38 @@ func TestLedgerCountsSilentRunAfterClientLeft(t *testing.T) {
 	}
 	require.Equal(t, outcome{status: http.StatusCreated}, o)
 	assert.Equal(t, []string{"k"}, srv.Duplicates())
+}
+
+// TestAssertExactlyOnceRunInFlight checks that the assertion does not pass
+// while a run of the handler is still going: the ledger counts a run when it
+// ends, so a run whose client gave up, and whose operation was then sent
+// again under a second key, would otherwise be missed.
+func TestAssertExactlyOnceRunInFlight(t *testing.T) {
+	entered, released := make(chan struct{}), make(chan struct{})
+	srv := NewServer(firstThenCreated(func(w http.ResponseWriter, r *http.Request) {
+		close(entered)
+		<-released // a slow handler that acts whether or not its client waits
+		w.WriteHeader(http.StatusCreated)
+	}))
+	defer srv.Close()
+	release := sync.OnceFunc(func() { close(released) })
+	defer release() // before Close, which waits for the run
+	client := rawClient()
+	defer client.CloseIdleConnections()
+
+	ctx, giveUp := context.WithCancel(t.Context())
+	go func() { <-entered; giveUp() }()
+	assert.True(t, post(ctx, client, srv.URL, "first-key").err)
+	// The same operation, sent again under a new key: two executions.
+	require.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "second-key"))
+
+	rec := &recordingTB{TB: t}
+	assert.False(t, srv.AssertExactlyOnce(rec, 1), "a run of first-key is in flight")
+	require.Len(t, rec.errors, 1)
+	assert.Contains(t, rec.errors[0], "1 run of the handler still in progress: first-key")
+
+	release()
+	srv.Close() // waits for the run
+	assert.Equal(t, map[string]int{"first-key": 1, "second-key": 1}, srv.Executions())
+	assert.False(t, srv.AssertExactlyOnce(rec, 1), "two keys for one operation")
 }

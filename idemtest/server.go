@@ -82,8 +82,8 @@ func (s *Server) Client(opts ...idemhttp.Option) *http.Client {
 
 // Executions returns how many times the handler executed, per idempotency
 // key: the runs that ended with an outcome the middleware keeps (see the
-// package documentation). Requests without a key are not counted. The map is
-// a copy.
+// package documentation). Requests without a key are not counted, nor are
+// runs that have not ended yet. The map is a copy.
 func (s *Server) Executions() map[string]int { return s.ledger.executions() }
 
 // Duplicates returns the idempotency keys the handler executed more than
@@ -104,6 +104,10 @@ func (s *Server) Stats() Stats { return s.injector.snapshot() }
 // A test that can fail an operation (one whose errors it does not stop on)
 // should also check that every operation succeeded, or compare
 // [Server.Executions] with the keys its client sent.
+//
+// A run of the handler is counted when it ends, so the assertion also
+// fails while a run is still going (a run whose client gave up, say): it
+// could yet be a duplicate. Close waits for such runs.
 func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
 	t.Helper()
 	runs := s.Executions()
@@ -115,6 +119,17 @@ func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
 		}
 		problems = append(problems, fmt.Sprintf("%d keys executed more than once: %s",
 			len(dups), strings.Join(parts, ", ")))
+	}
+	// A run is counted when it ends. One still going, such as a run whose
+	// client gave up, may yet be a duplicate or a key too many: until it
+	// ends the ledger proves nothing.
+	if keys, n := s.ledger.inProgress(); n > 0 {
+		what := "runs"
+		if n == 1 {
+			what = "run"
+		}
+		problems = append(problems, fmt.Sprintf("%d %s of the handler still in progress: %s (their executions are not counted yet; let them end, as Close does, before asserting)",
+			n, what, strings.Join(keys, ", ")))
 	}
 	if len(runs) != operations {
 		problems = append(problems, fmt.Sprintf("%d keys executed, want one for each of %d operations",

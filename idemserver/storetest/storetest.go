@@ -98,6 +98,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"ConcurrentClaimsOfExpiredRecord", testConcurrentClaimsOfExpiredRecord},
 		{"Expiry", testExpiry},
 		{"LeaseExpiry", testLeaseExpiry},
+		{"CompleteAfterLeaseEnded", testCompleteAfterLeaseEnded},
 		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
 		{"Extend", testExtend},
 		{"StaleTokens", testStaleTokens},
@@ -557,6 +558,20 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	assertSameResponse(t, created, res.Record.Response)
 }
 
+func testCompleteAfterLeaseEnded(t *testing.T, h *harness) {
+	// A lease that ended but was not taken over still holds: its handler
+	// may have acted, so Complete keeps the response, and keeps it until
+	// its own expiry, not the lease's end. A store that refused it, or
+	// forgot it when the lease would have ended, would let a retry run the
+	// handler again.
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	l := h.mustClaim(key, f, short)
+	h.waitLeaseExpired(key, l)
+	require.NoError(t, h.complete(l, created, live), "Complete of an ended lease that no one took over")
+	h.expectReplay(key, f, created)
+}
+
 func testConcurrentTakeOvers(t *testing.T, h *harness) {
 	const n = 100
 	key := idemserver.Key{Key: "k"}
@@ -757,6 +772,10 @@ func testScopes(t *testing.T, h *harness) {
 		{"bytes that are not UTF-8", idemserver.Key{Scope: "\xff\xfe", Key: "k"}, idemserver.Key{Scope: "\xff\xfd", Key: "k"}},
 		{"longest key", idemserver.Key{Scope: "s", Key: strings.Repeat("k", idemserver.MaxKeyLen)}, idemserver.Key{Scope: "s", Key: strings.Repeat("k", idemserver.MaxKeyLen-1) + "j"}},
 		{"case", idemserver.Key{Scope: "Tenant", Key: "K"}, idemserver.Key{Scope: "tenant", Key: "k"}},
+		// A quoted key may end in a space, and a scope may; a SQL column
+		// whose collation pads with spaces would take these for one.
+		{"trailing space in the key", idemserver.Key{Key: "pad"}, idemserver.Key{Key: "pad "}},
+		{"trailing space in the scope", idemserver.Key{Scope: "pad", Key: "k"}, idemserver.Key{Scope: "pad ", Key: "k"}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := h.sub(t)

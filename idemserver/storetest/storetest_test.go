@@ -29,6 +29,7 @@ type broken struct {
 	claim       func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error)
 	takeOver    func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error)
 	complete    func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error
+	release     func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string) error
 	extend      func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error
 }
 
@@ -54,6 +55,9 @@ func (b *broken) Complete(ctx context.Context, k idemserver.Key, token string, r
 }
 
 func (b *broken) Release(ctx context.Context, k idemserver.Key, token string) error {
+	if b.release != nil {
+		return b.release(b.MemoryStore, ctx, k, token)
+	}
 	return b.MemoryStore.Release(ctx, k, token)
 }
 
@@ -62,6 +66,21 @@ func (b *broken) Extend(ctx context.Context, k idemserver.Key, token string, exp
 		return b.extend(b.MemoryStore, ctx, k, token, exp)
 	}
 	return b.MemoryStore.Extend(ctx, k, token, exp)
+}
+
+// peek returns the record of k without changing it, if there is one.
+func peek(ctx context.Context, s *idemserver.MemoryStore, k idemserver.Key) (idemserver.Record, bool) {
+	now := time.Now()
+	c := idemserver.Claim{Key: k, Token: "peek", Now: now, LeaseExpires: now}
+	res, err := s.Claim(ctx, c)
+	if err != nil {
+		return idemserver.Record{}, false
+	}
+	if res.Claimed {
+		_ = s.Release(ctx, k, c.Token)
+		return idemserver.Record{}, false
+	}
+	return res.Record, true
 }
 
 // brokenStores are stores that each break one rule, with the subtests of
@@ -152,6 +171,86 @@ var brokenStores = map[string]struct {
 			b.extend = func(*idemserver.MemoryStore, context.Context, idemserver.Key, string, time.Time) error { return nil }
 		},
 		fails: []string{"Run/Extend", "Run/StaleTokens/released/Extend"},
+	},
+	"ignores trailing spaces": {
+		// As a SQL column whose collation pads with spaces compares them.
+		store: func(b *broken) {
+			trim := func(k idemserver.Key) idemserver.Key {
+				return idemserver.Key{Scope: strings.TrimRight(k.Scope, " "), Key: strings.TrimRight(k.Key, " ")}
+			}
+			b.claim = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				c.Key = trim(c.Key)
+				return s.Claim(ctx, c)
+			}
+			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				c.Key = trim(c.Key)
+				return s.TakeOver(ctx, c, token)
+			}
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				return s.Complete(ctx, trim(k), token, resp, exp)
+			}
+			b.release = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string) error {
+				return s.Release(ctx, trim(k), token)
+			}
+			b.extend = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error {
+				return s.Extend(ctx, trim(k), token, exp)
+			}
+		},
+		fails: []string{"Run/Scopes/trailing_space_in_the_key", "Run/Scopes/trailing_space_in_the_scope"},
+	},
+	"keeps a record only until its lease ends": {
+		// As a store that sets the record's time to live when it claims
+		// and forgets to move it on when it completes.
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() && rec.LeaseExpires.Before(exp) {
+					exp = rec.LeaseExpires
+				}
+				return s.Complete(ctx, k, token, resp, exp)
+			}
+		},
+		fails: []string{"Run/CompleteAfterLeaseEnded"},
+	},
+	"refuses to complete a lease that ended": {
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() && !time.Now().Before(rec.LeaseExpires) {
+					return idemserver.ErrLeaseLost
+				}
+				return s.Complete(ctx, k, token, resp, exp)
+			}
+		},
+		fails: []string{"Run/CompleteAfterLeaseEnded"},
+	},
+	"extends any lease of the key": {
+		store: func(b *broken) {
+			b.extend = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, _ string, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() {
+					return s.Extend(ctx, k, rec.Token, exp)
+				}
+				return idemserver.ErrLeaseLost
+			}
+		},
+		fails: []string{"Run/StaleTokens/wrong_token/Extend", "Run/StaleTokens/taken_over/Extend"},
+	},
+	"releases any lease of the key": {
+		store: func(b *broken) {
+			b.release = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, _ string) error {
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() {
+					return s.Release(ctx, k, rec.Token)
+				}
+				return idemserver.ErrLeaseLost
+			}
+		},
+		fails: []string{"Run/StaleTokens/wrong_token/Release", "Run/StaleTokens/taken_over/Release"},
+	},
+	"takes over with a cancelled context": {
+		store: func(b *broken) {
+			b.takeOver = func(s *idemserver.MemoryStore, _ context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				return s.TakeOver(context.Background(), c, token)
+			}
+		},
+		fails: []string{"Run/CancelledContext"},
 	},
 	"takes over any lease": {
 		store: func(b *broken) {
