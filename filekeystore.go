@@ -249,11 +249,11 @@ func (s *FileKeyStore) load() error {
 	if err != nil && !errors.Is(err, io.EOF) {
 		return fmt.Errorf("idemhttp: read key store %s: %w", s.path, err)
 	}
-	if size < keylog.HeaderSize {
-		if !keylog.IsHeaderPrefix(hdr[:n]) {
-			return s.corrupt(0, keylog.ErrNotKeyLog.Error())
-		}
+	if size <= keylog.HeaderSize && keylog.IsUnfinishedHeader(hdr[:n]) {
 		return s.create()
+	}
+	if size < keylog.HeaderSize {
+		return s.corrupt(0, keylog.ErrNotKeyLog.Error())
 	}
 	if err := keylog.CheckHeader(hdr); err != nil {
 		var ve *keylog.VersionError

@@ -254,6 +254,42 @@ func TestFileKeyStoreCreatesTornHeader(t *testing.T) {
 	}
 }
 
+func TestFileKeyStoreCreatesHeaderLeftAsZeros(t *testing.T) {
+	// A crash while the file is being created can leave the header's
+	// extent allocated but unwritten, which some file systems show as
+	// zeros: the start of the header, then zeros, no longer than a header.
+	// Nothing was ever stored in such a file, so it is created afresh.
+	header := keylog.AppendHeader(nil)
+	for n := 0; n < len(header); n++ {
+		for _, size := range []int{n + 1, len(header)} {
+			t.Run(fmt.Sprintf("%d header bytes of %d", n, size), func(t *testing.T) {
+				p := filepath.Join(t.TempDir(), "keys")
+				b := append(append([]byte(nil), header[:n]...), make([]byte, size-n)...)
+				require.NoError(t, os.WriteFile(p, b, 0o600))
+				s := openTestStore(t, p)
+				_, err := s.Acquire(context.Background(), "a", "k")
+				require.NoError(t, err)
+				s = reopen(t, s)
+				assert.Equal(t, map[string]string{"a": "k"}, pendingMap(t, s))
+			})
+		}
+	}
+}
+
+func TestFileKeyStoreRefusesZerosPastAHeader(t *testing.T) {
+	// Past a header's length, the header was made durable before anything
+	// was appended: zeros there are damage, and the store refuses it
+	// rather than start afresh over records it cannot read.
+	p := filepath.Join(t.TempDir(), "keys")
+	b := make([]byte, keylog.HeaderSize+1)
+	require.NoError(t, os.WriteFile(p, b, 0o600))
+	_, err := OpenFileKeyStore(p)
+	require.ErrorIs(t, err, ErrStoreCorrupt)
+	after, err := os.ReadFile(p)
+	require.NoError(t, err)
+	assert.Equal(t, b, after, "the file is left as it was")
+}
+
 func TestFileKeyStoreLockedInProcess(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "keys")
 	s := openTestStore(t, p)

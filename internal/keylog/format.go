@@ -95,11 +95,30 @@ func CheckHeader(h []byte) error {
 	return nil
 }
 
-// IsHeaderPrefix reports whether b, shorter than a header, is the start of
-// one: what a crash while creating the file can leave behind.
-func IsHeaderPrefix(b []byte) bool {
+// IsUnfinishedHeader reports whether b, a whole file of at most a
+// header's length that is not a complete header, is what a crash while
+// creating the file can leave behind: the start of a header, followed by
+// nothing or by zero bytes (a file system may show an extent that was
+// allocated but never written as zeros). Nothing was ever stored in such a
+// file: records are appended only after the header is durable.
+func IsUnfinishedHeader(b []byte) bool {
 	full := AppendHeader(nil)
-	return len(b) < len(full) && string(full[:len(b)]) == string(b)
+	if len(b) > len(full) {
+		return false
+	}
+	i := 0
+	for i < len(b) && b[i] == full[i] {
+		i++
+	}
+	if i == len(full) {
+		return false // complete
+	}
+	for _, c := range b[i:] {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // AcquireSize is the encoded size of an acquire record.

@@ -77,9 +77,14 @@ func TestHeader(t *testing.T) {
 	require.Len(t, h, HeaderSize)
 	assert.NoError(t, CheckHeader(h))
 	for n := range HeaderSize {
-		assert.True(t, IsHeaderPrefix(h[:n]), "prefix %d", n)
+		assert.True(t, IsUnfinishedHeader(h[:n]), "prefix %d", n)
+		zeros := append(append([]byte(nil), h[:n]...), make([]byte, HeaderSize-n)...)
+		assert.True(t, IsUnfinishedHeader(zeros), "prefix %d, then zeros", n)
 	}
-	assert.False(t, IsHeaderPrefix([]byte("IDEMX")))
+	assert.False(t, IsUnfinishedHeader(h), "a complete header")
+	assert.False(t, IsUnfinishedHeader([]byte("IDEMX")))
+	assert.False(t, IsUnfinishedHeader(append(h[:4:4], 0, 0, 'x')), "a byte after the zeros")
+	assert.False(t, IsUnfinishedHeader(make([]byte, HeaderSize+1)), "longer than a header")
 	bad := append([]byte(nil), h...)
 	bad[0] = 'X'
 	assert.ErrorIs(t, CheckHeader(bad), ErrNotKeyLog)
