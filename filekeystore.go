@@ -145,6 +145,7 @@ type FileKeyStore struct {
 	err        error    // sticky write failure
 
 	closed         bool
+	closeDone      chan struct{} // closed when the first Close has released the file
 	compacting     chan struct{} // closed when the running compaction ends
 	compactRetryAt int64
 	compactions    int // completed, for tests
@@ -489,14 +490,19 @@ func markStale(ops []PendingOperation, maxAge time.Duration, now time.Time) {
 // Close flushes records still queued, waits for a running compaction to
 // stop, and closes the file, releasing its lock. Calls made after Close fail
 // with [ErrStoreClosed]; calls already waiting for the disk complete. Close
-// is idempotent: later calls return nil.
+// is idempotent: later calls wait for the first to release the file, and
+// return nil.
 func (s *FileKeyStore) Close() error {
 	s.mu.Lock()
 	if s.closed {
+		done := s.closeDone
 		s.mu.Unlock()
+		<-done
 		return nil
 	}
 	s.closed = true
+	s.closeDone = make(chan struct{})
+	defer close(s.closeDone)
 	compacting := s.compacting
 	s.mu.Unlock()
 	if compacting != nil {

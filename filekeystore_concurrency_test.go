@@ -7,6 +7,7 @@ import (
 	"sort"
 	"sync"
 	"testing"
+	"testing/synctest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -172,4 +173,42 @@ func TestFileKeyStoreCompactionSnapshot(t *testing.T) {
 	sort.Strings(ops)
 	assert.Equal(t, []string{"a=k-a", "b=k-b"}, ops)
 	assert.Equal(t, map[string]string{"b": "k-b", "c": "k-c"}, pendingMap(t, s))
+}
+
+func TestFileKeyStoreSecondCloseWaitsForTheFirst(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "keys")
+	// Closed only in the bubble, which makes the channel later Closes wait on.
+	s, err := OpenFileKeyStore(p)
+	require.NoError(t, err)
+	synctest.Test(t, func(t *testing.T) {
+		// A compaction in progress holds the first Close.
+		compaction := make(chan struct{})
+		s.mu.Lock()
+		s.compacting = compaction
+		s.mu.Unlock()
+		first := make(chan error, 1)
+		go func() { first <- s.Close() }()
+		synctest.Wait()
+		second := make(chan error, 1)
+		go func() { second <- s.Close() }()
+		synctest.Wait()
+		select {
+		case err := <-second:
+			// It returned while the first still holds the file: the file
+			// must not be locked any more, or a reopen would fail.
+			assert.NoError(t, err)
+			s2, err := OpenFileKeyStore(p)
+			if assert.NoError(t, err, "the second Close returned while the first still held the file") {
+				assert.NoError(t, s2.Close())
+			}
+			second <- nil
+		default:
+		}
+		close(compaction)
+		assert.NoError(t, <-first)
+		assert.NoError(t, <-second)
+	})
+	s2, err := OpenFileKeyStore(p)
+	require.NoError(t, err, "both Closes released the file")
+	require.NoError(t, s2.Close())
 }
