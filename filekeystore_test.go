@@ -188,6 +188,16 @@ func TestOpenFileKeyStoreErrors(t *testing.T) {
 			require.NoError(t, os.WriteFile(p, badVersion, 0o600))
 			return p
 		}, nil, "header checksum", true},
+		{"unknown flags", func(t *testing.T, dir string) string {
+			// A later release that marks its files with a flag this one
+			// does not know must not have them read as plain version 1.
+			p := filepath.Join(dir, "keys")
+			h := append([]byte(nil), header...)
+			h[10] = 1
+			keylogPutHeaderCRC(h)
+			require.NoError(t, os.WriteFile(p, h, 0o600))
+			return p
+		}, nil, "unsupported format flags 0x0001", true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -63,12 +63,19 @@ var (
 	ErrHeaderChecksum = errors.New("file header checksum mismatch")
 )
 
-// VersionError reports a file written in a format version this package
-// cannot read.
-type VersionError struct{ Version uint16 }
+// VersionError reports a file written in a format version, or with
+// header flags, this package cannot read: a later release's file, which is
+// refused rather than read, repaired or salvaged as this release's.
+type VersionError struct {
+	Version uint16
+	Flags   uint16
+}
 
 // Error implements the error interface.
 func (e *VersionError) Error() string {
+	if e.Version == Version {
+		return fmt.Sprintf("unsupported format flags %#04x (this build reads version %d without flags)", e.Flags, Version)
+	}
 	return fmt.Sprintf("unsupported format version %d (this build reads version %d)", e.Version, Version)
 }
 
@@ -89,8 +96,9 @@ func CheckHeader(h []byte) error {
 	if checksum(h[:12]) != binary.LittleEndian.Uint32(h[12:]) {
 		return ErrHeaderChecksum
 	}
-	if v := binary.LittleEndian.Uint16(h[8:]); v != Version {
-		return &VersionError{Version: v}
+	v, flags := binary.LittleEndian.Uint16(h[8:]), binary.LittleEndian.Uint16(h[10:])
+	if v != Version || flags != 0 {
+		return &VersionError{Version: v, Flags: flags}
 	}
 	return nil
 }
