@@ -137,9 +137,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return nil, err
 	}
 	c := call{t: t, req: req, ctx: req.Context(), body: body, host: t.hostKeys.get(req.URL)}
-	resp, err := c.run()
-	c.body.close()
-	return resp, err
+	// Deferred, so that a panic in the caller's code that the call runs
+	// (a key generator, a KeyStore, a hook, the base transport) still
+	// closes the body.
+	defer c.body.close()
+	return c.run()
 }
 
 // errNilURL reports a request without a URL, which cannot be sent.

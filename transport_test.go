@@ -197,6 +197,50 @@ func TestBadKeySendsNothing(t *testing.T) {
 	}
 }
 
+// A panic in code of the caller's that runs before the first attempt (a
+// key generator, a KeyStore) goes on to the caller, and the caller's
+// request body, not yet handed to the base transport, is still closed, as
+// on every other path.
+func TestPanicBeforeSendingStillClosesTheBody(t *testing.T) {
+	tests := []struct {
+		name      string
+		opts      []Option
+		operation bool
+	}{
+		{name: "key generator",
+			opts: []Option{WithKeyGenerator(func() (string, error) { panic("boom") })}},
+		{name: "KeyStore", operation: true,
+			opts: []Option{WithKeyStore(&panickingStore{})}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			sent := false
+			tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				sent = true
+				r.Body.Close()
+				return okResponse(r, 200), nil
+			}), tt.opts...)
+			ctx := context.Background()
+			if tt.operation {
+				ctx = WithOperation(ctx, "order-1")
+			}
+			body := newTrackedBody("charge")
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://payments.example/charges", body)
+			require.NoError(t, err)
+			req.GetBody = func() (io.ReadCloser, error) { return newTrackedBody("charge"), nil }
+
+			assert.PanicsWithValue(t, "boom", func() { _, _ = tr.RoundTrip(req) })
+			assert.False(t, sent)
+			assert.Equal(t, int32(1), body.closes.Load())
+		})
+	}
+}
+
+// panickingStore is a KeyStore whose Acquire panics.
+type panickingStore struct{ failingStore }
+
+func (*panickingStore) Acquire(context.Context, string, string) (string, error) { panic("boom") }
+
 // The request body must reach the server byte-identical on every attempt,
 // whether the Transport rewinds it with GetBody or buffers it.
 func TestBodyIsIdenticalOnEveryAttempt(t *testing.T) {
