@@ -137,6 +137,67 @@ func TestFlushStreamsAndStillStores(t *testing.T) {
 	}
 }
 
+// A streamed response without a Content-Type of its own gets the one
+// net/http sniffs from the first bytes it is handed, or none if its status
+// went out before any body; a replay, written whole, carries the same, not
+// one sniffed from the whole body.
+func TestStreamedResponseReplaysItsContentType(t *testing.T) {
+	const page = "<html><body>paid</body></html>"
+	for _, tt := range []struct {
+		name    string
+		handler http.HandlerFunc
+		want    []string // the first response's Content-Type values
+	}{
+		{
+			name: "status flushed before the body",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusCreated)
+				w.(http.Flusher).Flush()
+				_, _ = io.WriteString(w, page)
+			},
+		},
+		{
+			name: "first part sniffed otherwise than the whole",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.WriteString(w, "  ")
+				_ = http.NewResponseController(w).Flush()
+				_, _ = io.WriteString(w, page)
+			},
+			want: []string{"text/plain; charset=utf-8"},
+		},
+		{
+			name: "first part sniffed as the whole",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.WriteString(w, page[:12])
+				w.(http.Flusher).Flush()
+				_, _ = io.WriteString(w, page[12:])
+			},
+			want: []string{"text/html; charset=utf-8"},
+		},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewServer(Middleware(nil)(tt.handler))
+			defer srv.Close()
+			post := func() *http.Response {
+				req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("b"))
+				require.NoError(t, err)
+				req.Header.Set(DefaultKeyHeader, "k")
+				resp, err := srv.Client().Do(req)
+				require.NoError(t, err)
+				body, err := io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				require.NoError(t, resp.Body.Close())
+				assert.Equal(t, page, strings.TrimSpace(string(body)))
+				return resp
+			}
+			first, replay := post(), post()
+			require.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, tt.want, first.Header.Values("Content-Type"), "the first response")
+			assert.Equal(t, tt.want, replay.Header.Values("Content-Type"), "the replay")
+		})
+	}
+}
+
 func TestResponseIsHeldUntilStored(t *testing.T) {
 	var w *flushRecorder
 	store := newStubStore()
