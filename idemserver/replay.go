@@ -67,6 +67,7 @@ type recorder struct {
 	begun       bool // the outer fields are recorded
 	hasLength   bool // the stored fields include Content-Length
 	wroteHeader bool
+	releases    bool // the response ends the claim by releasing it; see ReleasesResponse
 	streaming   bool // status and headers have gone to the client
 	tooLarge    bool // the body passed the limit and is not stored
 	hold        bool // never let the response through early; see ResponseHolder
@@ -124,9 +125,10 @@ func (c *recorder) WriteHeader(code int) {
 	}
 	c.wroteHeader = true
 	c.status = code
+	c.releases = ReleasesResponse(code, h)
 	c.fields = appendFields(c.fields[:c.outerEnd], h)
 	c.sentEnd = len(c.fields)
-	if !ReleasesStatus(code) {
+	if !c.releases {
 		c.fields, c.hasLength = appendReplayable(c.fields, h, c.allow, c.fields[:c.outerEnd])
 	}
 }
@@ -239,7 +241,7 @@ func (c *recorder) finish() {
 		c.WriteHeader(http.StatusOK)
 	}
 	c.length[0] = strconv.Itoa(len(c.body))
-	if !c.tooLarge && !ReleasesStatus(c.status) && bodyAllowed(c.status) && !c.hasLength {
+	if !c.tooLarge && !c.releases && bodyAllowed(c.status) && !c.hasLength {
 		c.fields = appendHeaderField(c.fields, "Content-Length", c.length[0])
 	}
 }
@@ -303,7 +305,7 @@ func (c *recorder) fixType(h http.Header) {
 		typ = []string{http.DetectContentType(c.body)}
 	}
 	h["Content-Type"] = typ
-	if !ReleasesStatus(c.status) {
+	if !c.releases {
 		c.fields = appendHeaderField(c.fields, "Content-Type", typ...)
 	}
 }
