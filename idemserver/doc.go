@@ -18,10 +18,11 @@
 // Only outcomes that are final are kept. A status of 500 or more, or a
 // panic, releases the claim, so the retry that the client will make runs the
 // handler again; so do 408, 425 and 429, which ask the client to send the
-// request again, and 499. So does a request whose context ended (the client
-// went away) before the handler wrote any response: a handler that gave up
-// on its cancelled context did not act, and storing an empty 200 would turn
-// a lost charge into a success. When the store itself cannot be reached the
+// request again, 499, and a 409 with Retry-After, the "in progress" of a
+// deduplicating service behind the handler. So does a request whose
+// context ended (the client went away) before the handler wrote any
+// response: a handler that gave up on its cancelled context did not act,
+// and storing an empty 200 would turn a lost charge into a success. When the store itself cannot be reached the
 // middleware fails closed: 503 with Retry-After, and the handler does not
 // run, because running it without a claim could run it twice. A Complete or
 // Release that fails transiently is tried again a few times; if the store

@@ -7,6 +7,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -165,4 +167,59 @@ func TestEndToEndDownstreamKey(t *testing.T) {
 			assert.EqualValues(t, 1, providerReplays.Load(), "the provider replayed the charge")
 		})
 	}
+}
+
+// A gateway that deduplicates keyed requests and forwards them, key and
+// all, to a service that deduplicates them too. A retry that reaches the
+// service while the service still runs the key's first request is told 409
+// with Retry-After, "in progress", which the gateway passes on. The gateway
+// must not keep that answer as the key's outcome: once the service has
+// finished, the client's next retry gets the service's outcome, not an "in
+// progress" replayed for as long as the gateway keeps records.
+func TestEndToEndGatewayInFrontOfBusyService(t *testing.T) {
+	entered, finish := make(chan struct{}), make(chan struct{})
+	var charges atomic.Int64
+	service := httptest.NewServer(idemserver.Middleware(nil, idemserver.RequireKey())(
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			n := charges.Add(1)
+			if n == 1 {
+				close(entered)
+				<-finish
+			}
+			w.WriteHeader(http.StatusCreated)
+			fmt.Fprintf(w, "ch_%d", n)
+		})))
+	defer service.Close()
+	target, err := url.Parse(service.URL)
+	require.NoError(t, err)
+	gateway := httptest.NewServer(idemserver.Middleware(nil, idemserver.RequireKey())(httputil.NewSingleHostReverseProxy(target)))
+	defer gateway.Close()
+
+	post := func(url string) (int, http.Header, string) {
+		req, err := http.NewRequest(http.MethodPost, url+"/charges", strings.NewReader(`{"amount":100}`))
+		require.NoError(t, err)
+		req.Header.Set(idemserver.DefaultKeyHeader, "charge-1")
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, resp.Header, string(body)
+	}
+	// The first attempt reached the service, which is still working on it
+	// (the gateway in front of it has given up on it, say).
+	first := make(chan string, 1)
+	go func() { _, _, body := post(service.URL); first <- body }()
+	<-entered
+
+	status, header, _ := post(gateway.URL)
+	require.Equal(t, http.StatusConflict, status, "the service is busy with the key")
+	require.NotEmpty(t, header.Get("Retry-After"))
+
+	close(finish)
+	assert.Equal(t, "ch_1", <-first)
+	status, _, body := post(gateway.URL)
+	assert.Equal(t, http.StatusCreated, status)
+	assert.Equal(t, "ch_1", body, "the retry gets the service's outcome")
+	assert.EqualValues(t, 1, charges.Load())
 }

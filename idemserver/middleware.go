@@ -30,8 +30,10 @@ import (
 //     releases the claim instead, so a retry runs the handler again; the
 //     panic continues after the release. So do 408, 425 and 429, the
 //     statuses below 500 that say the request was not processed and should
-//     be sent again, and 499, which says that the client went away:
-//     storing them would answer every retry with the same refusal.
+//     be sent again, 499, which says that the client went away, and a 409
+//     with Retry-After, which says that the request is in progress in a
+//     service behind the handler: storing them would answer every retry
+//     with the same refusal. See [ReleasesResponse].
 //   - Completed with the same fingerprint: the stored status, header fields
 //     and body are replayed with Idempotent-Replayed: true, and the handler
 //     does not run.
@@ -143,9 +145,9 @@ const (
 	OutcomeUnavailable
 	// OutcomeExecuted: the handler ran and its response was stored.
 	OutcomeExecuted
-	// OutcomeReleased: the handler ran, answered 5xx (or 408, 425, 429 or
-	// 499), panicked, or returned without answering after its context
-	// ended, and the claim was released.
+	// OutcomeReleased: the handler ran, answered 5xx (or 408, 425, 429,
+	// 499, or 409 with Retry-After), panicked, or returned without
+	// answering after its context ended, and the claim was released.
 	OutcomeReleased
 	// OutcomeReplayed: a stored response was replayed.
 	OutcomeReplayed
@@ -492,7 +494,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	}
 	rec.finish()
 
-	if ReleasesStatus(rec.status) {
+	if rec.releases {
 		err := m.release(storeCtx, key, token, leaseEnd)
 		if again(err) {
 			return true
@@ -602,13 +604,30 @@ const statusClientClosedRequest = 499
 // again, rather than storing the response as the key's outcome: a server
 // error (500 or more), a refusal that invites the client to send the same
 // request again (408, 425, 429), or a note that the client went away
-// before it got an answer (499). Every other status is stored.
+// before it got an answer (499). Every other status is stored, except a
+// 409 with Retry-After; see [ReleasesResponse].
 func ReleasesStatus(status int) bool {
 	switch status {
 	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests, statusClientClosedRequest:
 		return true
 	}
 	return status >= http.StatusInternalServerError
+}
+
+// ReleasesResponse reports whether the middleware releases the claim of a
+// handler that answered with status and the header fields h (as they were
+// when it wrote the status), rather than storing the response: when
+// [ReleasesStatus] says so, and for a 409 with Retry-After. That is how a
+// server that deduplicates requests, as this middleware does, says that
+// another request with the key is still in progress. A handler that passes
+// it on from such a service behind it, as a gateway does, has no outcome
+// yet: stored, it would answer every retry "in progress" long after the
+// service finished.
+func ReleasesResponse(status int, h http.Header) bool {
+	if status == http.StatusConflict {
+		return h.Get("Retry-After") != ""
+	}
+	return ReleasesStatus(status)
 }
 
 func (m *handler) reject(w http.ResponseWriter, r *http.Request, key Key, typ string, status int, detail string) {

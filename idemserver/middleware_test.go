@@ -3,6 +3,7 @@ package idemserver
 import (
 	"context"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -573,6 +574,40 @@ func TestReleasesStatus(t *testing.T) {
 			serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
 			w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
 			assertReplayed(t, !tt.releases, w, h)
+		})
+	}
+}
+
+// TestReleasesResponse checks the exported rule for a response, status and
+// header fields, against what the middleware does.
+func TestReleasesResponse(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		status     int
+		retryAfter string
+		releases   bool
+	}{
+		{"conflict", http.StatusConflict, "", false},
+		{"conflict with Retry-After", http.StatusConflict, "1", true},
+		{"created with Retry-After", http.StatusCreated, "1", false},
+		{"too many requests", http.StatusTooManyRequests, "", true},
+		{"server error with Retry-After", http.StatusServiceUnavailable, "1", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := http.Header{}
+			if tt.retryAfter != "" {
+				h.Set("Retry-After", tt.retryAfter)
+			}
+			assert.Equal(t, tt.releases, ReleasesResponse(tt.status, h))
+			handler := &countingHandler{status: tt.status}
+			mw := Middleware(NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				maps.Copy(w.Header(), h)
+				handler.ServeHTTP(w, r)
+			}))
+			serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+			assert.Equal(t, tt.status, w.Code)
+			assertReplayed(t, !tt.releases, w, handler)
 		})
 	}
 }

@@ -67,6 +67,7 @@ type recorder struct {
 	begun       bool // the outer fields are recorded
 	hasLength   bool // the stored fields include Content-Length
 	wroteHeader bool
+	releases    bool // the response ends the claim by releasing it; see ReleasesResponse
 	streaming   bool // status and headers have gone to the client
 	tooLarge    bool // the body passed the limit and is not stored
 	hold        bool // never let the response through early; see ResponseHolder
@@ -124,9 +125,10 @@ func (c *recorder) WriteHeader(code int) {
 	}
 	c.wroteHeader = true
 	c.status = code
+	c.releases = ReleasesResponse(code, h)
 	c.fields = appendFields(c.fields[:c.outerEnd], h)
 	c.sentEnd = len(c.fields)
-	if !ReleasesStatus(code) {
+	if !c.releases {
 		c.fields, c.hasLength = appendReplayable(c.fields, h, c.allow, c.fields[:c.outerEnd])
 	}
 }
@@ -239,7 +241,7 @@ func (c *recorder) finish() {
 		c.WriteHeader(http.StatusOK)
 	}
 	c.length[0] = strconv.Itoa(len(c.body))
-	if !c.tooLarge && !ReleasesStatus(c.status) && bodyAllowed(c.status) && !c.hasLength {
+	if !c.tooLarge && !c.releases && bodyAllowed(c.status) && !c.hasLength {
 		c.fields = appendHeaderField(c.fields, "Content-Length", c.length[0])
 	}
 }
@@ -268,7 +270,10 @@ func (c *recorder) writeHeader() {
 		clear(h)
 		fieldsInto(h, string(c.fields[c.outerEnd:c.sentEnd]))
 	}
-	if !c.streaming && bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil && h["Trailer"] == nil {
+	switch {
+	case c.streaming && !c.tooLarge:
+		c.fixType(h)
+	case !c.streaming && bodyAllowed(c.status) && h["Content-Length"] == nil && h["Transfer-Encoding"] == nil && h["Trailer"] == nil:
 		h["Content-Length"] = c.length[:] // the recorder's own array: no allocation
 	}
 	c.w.WriteHeader(c.status)
@@ -277,6 +282,31 @@ func (c *recorder) writeHeader() {
 		if strings.HasPrefix(k, http.TrailerPrefix) || trailerDeclared(declared, k) {
 			h[k] = vv
 		}
+	}
+}
+
+// fixType sets, in h, the Content-Type of a response that a flush lets
+// through before its body is complete, if the handler set none, and stores
+// it with the response. net/http would sniff the type from the first bytes
+// it is handed, or send none if the body has not begun, whereas a replay,
+// written whole, would be sniffed from the whole body: the two could
+// differ. So the recorder sniffs the body recorded so far, as net/http
+// would, and a response flushed before its body has a Content-Type without
+// a value, which net/http sends as no field and does not sniff behind. A
+// response that streams because it is too large to store needs none: its
+// replay does not carry its body or the fields that describe it.
+func (c *recorder) fixType(h http.Header) {
+	if _, ok := h["Content-Type"]; ok || !bodyAllowed(c.status) ||
+		h.Get("Content-Encoding") != "" || h.Get("Transfer-Encoding") != "" {
+		return
+	}
+	var typ []string
+	if len(c.body) > 0 {
+		typ = []string{http.DetectContentType(c.body)}
+	}
+	h["Content-Type"] = typ
+	if !c.releases {
+		c.fields = appendHeaderField(c.fields, "Content-Type", typ...)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -134,6 +135,172 @@ func TestFlushStreamsAndStillStores(t *testing.T) {
 			assert.Equal(t, "event 1\nevent 2\n", replay.Body.String())
 			assert.Equal(t, "text/event-stream", replay.Header().Get("Content-Type"))
 		})
+	}
+}
+
+// A streamed response without a Content-Type of its own gets the one
+// net/http sniffs from the first bytes it is handed, or none if its status
+// went out before any body; a replay, written whole, carries the same, not
+// one sniffed from the whole body.
+func TestStreamedResponseReplaysItsContentType(t *testing.T) {
+	const page = "<html><body>paid</body></html>"
+	for _, tt := range []struct {
+		name    string
+		handler http.HandlerFunc
+		want    []string // the first response's Content-Type values
+	}{
+		{
+			name: "status flushed before the body",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusCreated)
+				w.(http.Flusher).Flush()
+				_, _ = io.WriteString(w, page)
+			},
+		},
+		{
+			name: "first part sniffed otherwise than the whole",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.WriteString(w, "  ")
+				_ = http.NewResponseController(w).Flush()
+				_, _ = io.WriteString(w, page)
+			},
+			want: []string{"text/plain; charset=utf-8"},
+		},
+		{
+			name: "first part sniffed as the whole",
+			handler: func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.WriteString(w, page[:12])
+				w.(http.Flusher).Flush()
+				_, _ = io.WriteString(w, page[12:])
+			},
+			want: []string{"text/html; charset=utf-8"},
+		},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewServer(Middleware(nil)(tt.handler))
+			defer srv.Close()
+			post := func() *http.Response {
+				req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("b"))
+				require.NoError(t, err)
+				req.Header.Set(DefaultKeyHeader, "k")
+				resp, err := srv.Client().Do(req)
+				require.NoError(t, err)
+				body, err := io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				require.NoError(t, resp.Body.Close())
+				assert.Equal(t, page, strings.TrimSpace(string(body)))
+				return resp
+			}
+			first, replay := post(), post()
+			require.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, tt.want, first.Header.Values("Content-Type"), "the first response")
+			assert.Equal(t, tt.want, replay.Header.Values("Content-Type"), "the replay")
+		})
+	}
+}
+
+// Handlers that write their responses in many ways (fields set and
+// deleted, statuses, 1xx, flushes, bodies that sniff as different types,
+// bodies over the storage limit), behind each kind of store, reach the
+// client the same on the first response and on its replay: the same
+// status, the same header fields but those of the connection and the
+// replay mark, and the same body. The steps are drawn from a seeded source,
+// so a failure names a seed that repeats it.
+func TestRandomHandlersReplayTheirFirstResponse(t *testing.T) {
+	type step struct {
+		op  string
+		arg string
+	}
+	bodies := []string{"", " ", "<html>", "hello", `{"a":1}`, "\x00\x01binary", "%PDF-1.4", strings.Repeat("x", 600)}
+	statuses := []string{"200", "201", "204", "304", "400", "409", "410", "422"}
+	ops := []string{"type", "status", "write", "write", "flush", "encoding", "field", "no type", "103"}
+	for seed := range uint64(300) {
+		rng := rand.New(rand.NewPCG(seed, 0))
+		steps := make([]step, 1+rng.IntN(6))
+		for i := range steps {
+			s := step{op: ops[rng.IntN(len(ops))]}
+			switch s.op {
+			case "type":
+				s.arg = []string{"text/plain", "application/json", ""}[rng.IntN(3)]
+			case "status":
+				s.arg = statuses[rng.IntN(len(statuses))]
+			case "write":
+				s.arg = bodies[rng.IntN(len(bodies))]
+			case "encoding":
+				s.arg = []string{"gzip", ""}[rng.IntN(2)]
+			case "field":
+				s.arg = strconv.Itoa(rng.IntN(3))
+			}
+			steps[i] = s
+		}
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			for _, s := range steps {
+				switch s.op {
+				case "type", "encoding":
+					name := map[string]string{"type": "Content-Type", "encoding": "Content-Encoding"}[s.op]
+					if s.arg == "" {
+						w.Header().Del(name)
+					} else {
+						w.Header().Set(name, s.arg)
+					}
+				case "status":
+					code, _ := strconv.Atoi(s.arg)
+					w.WriteHeader(code)
+				case "write":
+					_, _ = io.WriteString(w, s.arg)
+				case "flush":
+					w.(http.Flusher).Flush()
+				case "field":
+					w.Header().Set("X-Step", s.arg)
+				case "no type":
+					w.Header()["Content-Type"] = nil
+				case "103":
+					w.WriteHeader(http.StatusEarlyHints)
+				}
+			}
+		})
+		stores := []func() Store{
+			func() Store { return NewMemoryStore() },
+			func() Store { return newStubStore() },
+			func() Store { return holdingStore{newStubStore()} },
+		}
+		limit := []int64{4, 700, DefaultMaxResponseBytes}[rng.IntN(3)]
+		// The first response is stored when the observer hears of it; a
+		// flushed one may reach the client before that.
+		stored := make(chan struct{}, 2)
+		mw := Middleware(stores[rng.IntN(len(stores))](), WithMaxResponseBytes(limit),
+			WithObserver(func(Event) { stored <- struct{}{} }))(h)
+		srv := httptest.NewServer(mw)
+		// The body is read as sent, whatever its Content-Encoding.
+		client := &http.Client{Transport: &http.Transport{DisableCompression: true}}
+		post := func() (int, http.Header, string) {
+			req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("b"))
+			require.NoError(t, err)
+			req.Header.Set(DefaultKeyHeader, "k")
+			resp, err := client.Do(req)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err, "seed %d: %+v", seed, steps)
+			<-stored
+			h := resp.Header.Clone()
+			for _, k := range []string{"Date", "Content-Length", "Transfer-Encoding", ReplayedHeader} {
+				delete(h, k)
+			}
+			return resp.StatusCode, h, string(body)
+		}
+		status, header, body := post()
+		replayStatus, replayHeader, replayBody := post()
+		client.CloseIdleConnections()
+		srv.Close()
+		if int64(len(body)) > limit {
+			continue // replayed as a problem, by design
+		}
+		if !assert.Equal(t, status, replayStatus, "seed %d: %+v", seed, steps) ||
+			!assert.Equal(t, header, replayHeader, "seed %d: %+v", seed, steps) ||
+			!assert.Equal(t, body, replayBody, "seed %d: %+v", seed, steps) {
+			return
+		}
 	}
 }
 

@@ -27,9 +27,10 @@
 // would in production. The ledger, just in front of the handler, counts the
 // handler's executions per idempotency key. An execution is a run of the
 // handler that ended with an outcome the middleware keeps: the handler
-// returned a status below 500 other than 408, 425, 429 and 499. A run that
-// panicked or answered one of those statuses told the client to try again,
-// and the middleware released its key on that word, so it is not counted;
+// returned a status below 500 other than 408, 425, 429, 499 and a 409 with
+// Retry-After (see [idemserver.ReleasesResponse]). A run that panicked or
+// answered one of those statuses told the client to try again, and the
+// middleware released its key on that word, so it is not counted;
 // a handler that acts and then answers 5xx breaks the contract in a way no
 // ledger outside the handler can see. A run that returned without writing
 // a status once its context had ended is counted, although the middleware

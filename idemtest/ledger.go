@@ -48,7 +48,7 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// counted, though the middleware releases its key: the ledger cannot
 	// tell whether it acted, and one that did runs again on the retry,
 	// which the ledger must show.
-	if !idemserver.ReleasesStatus(sw.status) {
+	if !idemserver.ReleasesResponse(sw.status, sw.Header()) {
 		l.mu.Lock()
 		l.runs[key]++
 		l.mu.Unlock()
