@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"runtime"
 	"strings"
 	"testing"
@@ -68,19 +70,34 @@ func TestRequestBodyOuterLimit(t *testing.T) {
 	decodeProblem(t, w, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge)
 }
 
-type failingReader struct{}
+type failingReader struct{ err error }
 
-func (failingReader) Read([]byte) (int, error) { return 0, errors.New("connection reset") }
+func (r failingReader) Read([]byte) (int, error) { return 0, r.err }
 
+// A body that cannot be read is refused before the claim. One whose read
+// timed out (the server's ReadTimeout passed while a slow client sent it)
+// is a 408, which clients send again, rather than a 400, which they take
+// as final.
 func TestRequestBodyUnreadable(t *testing.T) {
-	h := &countingHandler{}
-	r := newRequest(http.MethodPost, "/x", "k", "")
-	r.Body = io.NopCloser(failingReader{})
-	r.ContentLength = -1
-	w := serve(Middleware(nil)(h), r)
-	p := decodeProblem(t, w, ProblemBodyUnreadable, http.StatusBadRequest)
-	assert.Contains(t, p.Detail, "connection reset")
-	assert.Zero(t, h.calls.Load())
+	for _, tt := range []struct {
+		name   string
+		err    error
+		status int
+	}{
+		{"connection reset", errors.New("connection reset"), http.StatusBadRequest},
+		{"read timed out", &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}, http.StatusRequestTimeout},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := &countingHandler{}
+			r := newRequest(http.MethodPost, "/x", "k", "")
+			r.Body = io.NopCloser(failingReader{tt.err})
+			r.ContentLength = -1
+			w := serve(Middleware(nil)(h), r)
+			p := decodeProblem(t, w, ProblemBodyUnreadable, tt.status)
+			assert.Contains(t, p.Detail, tt.err.Error())
+			assert.Zero(t, h.calls.Load())
+		})
+	}
 }
 
 func TestResponseLimit(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"os"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -265,6 +266,11 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case errors.Is(err, errBodyTooLarge):
 		m.reject(w, r, key, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge,
 			"a keyed request body may be at most "+strconv.FormatInt(cfg.maxBody, 10)+" bytes")
+		return
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		// The server's read deadline passed while a slow client sent the
+		// body: 408 invites the same request again, 400 would be final.
+		m.reject(w, r, key, ProblemBodyUnreadable, http.StatusRequestTimeout, err.Error())
 		return
 	case err != nil:
 		m.reject(w, r, key, ProblemBodyUnreadable, http.StatusBadRequest, err.Error())

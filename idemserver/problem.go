@@ -20,7 +20,8 @@ const (
 	// ProblemBodyTooLarge (413): the request body is larger than the limit
 	// the middleware reads to fingerprint it (see [WithMaxBodyBytes]).
 	ProblemBodyTooLarge = problemBase + "ProblemBodyTooLarge"
-	// ProblemBodyUnreadable (400): the request body could not be read.
+	// ProblemBodyUnreadable (400, or 408 when reading it timed out): the
+	// request body could not be read. The handler did not run.
 	ProblemBodyUnreadable = problemBase + "ProblemBodyUnreadable"
 	// ProblemFingerprintMismatch (422): the key was first used for a
 	// request with a different method, path, query or body. Retrying will
