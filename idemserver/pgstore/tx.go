@@ -334,7 +334,9 @@ func (s *Store) rolledBack(st *txState, err error) error {
 	return fmt.Errorf("pgstore: %w: %w", idemserver.ErrRolledBack, err)
 }
 
-// releaseTx rolls the claim's transaction back.
+// releaseTx rolls the claim's transaction back and returns its connection
+// to the pool, or, if the handler ended the transaction itself, releases
+// what it left (see releaseEndedTx).
 func (s *Store) releaseTx(ctx context.Context, st *txState) error {
 	st.ended.Store(true)
 	err := st.tx.Rollback()
@@ -367,7 +369,7 @@ func (s *Store) releaseEndedTx(ctx context.Context, st *txState) error {
 		// The claim may still be there, held: the middleware may try
 		// the release again.
 		st.ended.Store(false)
-		return fmt.Errorf("pgstore: release after the handler ended its transaction: %w", err)
+		return fmt.Errorf("after the handler ended its transaction: %w", err)
 	}
 	return nil
 }
