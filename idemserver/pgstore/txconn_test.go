@@ -34,7 +34,7 @@ func TestTransactionalClaimWaitsForAConnectionOnlyWhileItsRequestLasts(t *testin
 	}{
 		{"client gone", context.WithCancel, func(cancel context.CancelFunc) { cancel() }, context.Canceled},
 		{"deadline passed", func(ctx context.Context) (context.Context, context.CancelFunc) {
-			return context.WithTimeout(ctx, 500*time.Millisecond)
+			return context.WithTimeout(ctx, 3*time.Second) // long enough for the claim to read its row first, under load
 		}, func(context.CancelFunc) {}, context.DeadlineExceeded},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
