@@ -160,15 +160,28 @@ func (p *commitCutter) relay(client, server net.Conn, dropReplies *atomic.Bool) 
 	}
 }
 
-// releaseCounter counts the Releases of a Store.
+// releaseCounter counts the Releases of a Store, and keeps their errors.
 type releaseCounter struct {
 	*Store
 	releases atomic.Int64
+	mu       sync.Mutex
+	errs     []error
 }
 
 func (r *releaseCounter) Release(ctx context.Context, key idemserver.Key, token string) error {
 	r.releases.Add(1)
-	return r.Store.Release(ctx, key, token)
+	err := r.Store.Release(ctx, key, token)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.errs = append(r.errs, err)
+	return err
+}
+
+// releaseErrs returns the errors of the Releases so far, nil for a success.
+func (r *releaseCounter) releaseErrs() []error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]error(nil), r.errs...)
 }
 
 // errorResponse returns a PostgreSQL ErrorResponse message of severity
@@ -231,6 +244,7 @@ func TestConnectionLostAtCommit(t *testing.T) {
 			assert.Contains(t, body, idemserver.ProblemStoreUnavailable)
 			assert.NotContains(t, body, "payment", "none of the handler's response")
 			assert.Zero(t, store.releases.Load(), "a COMMIT of unknown outcome is never followed by a release")
+			assert.Zero(t, pool.Stats().InUse, "the claim's connection is back in the pool")
 			require.Len(t, events, 1)
 			assert.ErrorIs(t, events[0].Err, idemserver.ErrOutcomeUnknown)
 			assert.NotErrorIs(t, events[0].Err, idemserver.ErrRolledBack, "a COMMIT of unknown outcome is not reported rolled back")

@@ -33,8 +33,11 @@ type testDB struct {
 	schema string
 	// calls counts the statements the pool sent: queries, execs, and the
 	// begin, commit and rollback of transactions.
-	calls  *atomic.Int64
-	tables atomic.Int64
+	calls *atomic.Int64
+	// badBegins is how many of the next BEGINs the pool's connections
+	// fail with driver.ErrBadConn, as a connection found dead does.
+	badBegins *atomic.Int64
+	tables    atomic.Int64
 }
 
 // newTestDB returns a testDB, or skips the test when no server is named.
@@ -58,7 +61,7 @@ func newTestDB(t testing.TB, maxConns int) *testDB {
 		require.NoError(t, err)
 	})
 
-	db := &testDB{dsn: dsn, schema: schema, calls: new(atomic.Int64)}
+	db := &testDB{dsn: dsn, schema: schema, calls: new(atomic.Int64), badBegins: new(atomic.Int64)}
 	db.DB = db.open(t, maxConns)
 	return db
 }
@@ -73,7 +76,7 @@ func (db *testDB) open(t testing.TB, maxConns int) *sql.DB {
 		// A ping before reusing an idle connection would be a round trip
 		// of its own, and not the store's.
 		stdlib.OptionShouldPing(func(context.Context, stdlib.ShouldPingParams) bool { return false }))
-	pool := sql.OpenDB(&countingConnector{Connector: connector, calls: db.calls})
+	pool := sql.OpenDB(&countingConnector{Connector: connector, calls: db.calls, badBegins: db.badBegins})
 	pool.SetMaxOpenConns(maxConns)
 	pool.SetMaxIdleConns(maxConns)
 	t.Cleanup(func() { _ = pool.Close() })
@@ -90,10 +93,12 @@ func (db *testDB) newStore(t testing.TB, opts ...Option) *Store {
 	return s
 }
 
-// countingConnector counts the statements its connections send.
+// countingConnector counts the statements its connections send, and
+// fails the BEGINs that badBegins asks for.
 type countingConnector struct {
 	driver.Connector
-	calls *atomic.Int64
+	calls     *atomic.Int64
+	badBegins *atomic.Int64
 }
 
 // pgxConn is the driver connection of pgx's stdlib with the optional
@@ -114,12 +119,13 @@ func (c *countingConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &countingConn{pgxConn: conn.(pgxConn), calls: c.calls}, nil
+	return &countingConn{pgxConn: conn.(pgxConn), calls: c.calls, badBegins: c.badBegins}, nil
 }
 
 type countingConn struct {
 	pgxConn
-	calls *atomic.Int64
+	calls     *atomic.Int64
+	badBegins *atomic.Int64
 }
 
 func (c *countingConn) QueryContext(ctx context.Context, q string, args []driver.NamedValue) (driver.Rows, error) {
@@ -133,6 +139,11 @@ func (c *countingConn) ExecContext(ctx context.Context, q string, args []driver.
 }
 
 func (c *countingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
+	for n := c.badBegins.Load(); n > 0; n = c.badBegins.Load() {
+		if c.badBegins.CompareAndSwap(n, n-1) {
+			return nil, driver.ErrBadConn
+		}
+	}
 	c.calls.Add(1)
 	tx, err := c.pgxConn.BeginTx(ctx, opts)
 	if err != nil {

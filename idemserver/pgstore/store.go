@@ -40,7 +40,10 @@
 //     request. Release (a 5xx, a panic, a client gone) rolls back.
 //   - The transaction is begun under a context that the client's
 //     disconnect does not cancel: a handler that finished after its client
-//     left still commits, and the client's retry gets the replay.
+//     left still commits, and the client's retry gets the replay. Only the
+//     wait for a pool connection to begin it on ends with the request's
+//     context: a request whose client left, or whose deadline passed,
+//     while the pool had no free connection gets 503 without its handler.
 //   - A duplicate that arrives while the first is uncommitted does not get
 //     the lock: its store ends its own transaction at once and reports the
 //     key in progress, so the middleware answers 409 or, with
@@ -70,7 +73,9 @@
 // cannot store anything and the client gets 503: a handler that answers a
 // refusal after a failed statement (a 409 for a unique violation, say)
 // runs that statement inside a SAVEPOINT and rolls back to it first. The
-// handler must not commit or roll back Tx itself. The transaction has the database's
+// handler must not commit or roll back Tx itself; one that commits it and
+// then answers 5xx or panics has its committed claim deleted by the
+// release, so that a retry runs again. The transaction has the database's
 // default isolation level. The advisory locks are 64-bit hashes of the
 // table (its oid, whatever schema it is found in), scope and key, in the
 // database's one advisory lock space. A table
@@ -147,6 +152,10 @@ type Store struct {
 	// testHookRerun, when set, is called each time a claim statement
 	// is run again; see claim.
 	testHookRerun func()
+	// testHookBegin, when set, is called each time a transactional
+	// claim is about to take the connection of its transaction; see
+	// claimTx.
+	testHookBegin func()
 }
 
 // An Option configures a [Store].
@@ -447,7 +456,7 @@ func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, 
 		err = fmt.Errorf("pgstore: complete: %w", err)
 		if st := stateOf(ctx, key, token); s.transactional && st != nil {
 			st.ended.Store(true)
-			_ = st.tx.Rollback()
+			_ = st.rollback()
 			return s.rolledBack(st, err)
 		}
 		return err
@@ -478,7 +487,7 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 		if st == nil {
 			return idemserver.ErrLeaseLost
 		}
-		return s.releaseTx(st)
+		return s.releaseTx(ctx, st)
 	}
 	n, err := execRows(ctx, s.db, s.q.release, []byte(key.Scope), key.Key, token)
 	if err != nil {

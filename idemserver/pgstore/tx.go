@@ -28,7 +28,9 @@ func WithTransactional() Option {
 // The handler must not commit or roll the transaction back: the store does,
 // when the middleware completes or releases the claim. (If a handler
 // commits it anyway, Complete stores the response after that commit, not
-// atomically with it; if it rolls back, Complete reports the rollback.)
+// atomically with it, and Release deletes the committed claim, so that a
+// retry runs again; if it rolls back, Complete reports the rollback, and
+// Release has nothing to do.)
 func Tx(ctx context.Context) *sql.Tx {
 	if st, _ := ctx.Value(txKey{}).(*txState); st != nil {
 		return st.tx
@@ -59,13 +61,70 @@ func (s *Store) HoldResponses() bool { return s.transactional }
 
 type txKey struct{}
 
-// txState is a claim in transactional mode: its open transaction.
+// txState is a claim in transactional mode: its open transaction, and the
+// pool connection the transaction runs on, which is the claim's alone until
+// the claim ends. Whoever ends the transaction, by commit, rollback or
+// through the store after the handler ended it, returns the connection to
+// the pool.
 type txState struct {
+	conn  *sql.Conn
 	tx    *sql.Tx
 	key   idemserver.Key
 	token string
 	rerun atomic.Bool // the handler asked for a rerun
 	ended atomic.Bool // committed or rolled back
+}
+
+// maxBeginTries bounds how many connections a claim tries to begin its
+// transaction on, when the driver reports them bad (driver.ErrBadConn), as
+// database/sql's own BeginTx does.
+const maxBeginTries = 3
+
+// begin takes a connection from the pool and begins the transaction of
+// claim c on it. The wait for a free connection ends with ctx: a request
+// whose client left, or whose deadline passed, does not wait on a pool that
+// every other claim's transaction holds. The transaction does not end with
+// ctx (see claimTx).
+func (s *Store) begin(ctx context.Context, c idemserver.Claim) (*txState, error) {
+	for try := 1; ; try++ {
+		conn, err := s.db.Conn(ctx)
+		if err != nil {
+			return nil, err
+		}
+		tx, err := conn.BeginTx(context.WithoutCancel(ctx), nil)
+		if err == nil {
+			return &txState{conn: conn, tx: tx, key: c.Key, token: c.Token}, nil
+		}
+		// Back to the pool; one the driver reported bad was closed and
+		// discarded already.
+		_ = conn.Close()
+		if !errors.Is(err, driver.ErrBadConn) || try == maxBeginTries {
+			return nil, err
+		}
+	}
+}
+
+// commit commits the claim's transaction and returns its connection to
+// the pool.
+func (st *txState) commit() error {
+	err := st.tx.Commit()
+	st.closeConn()
+	return err
+}
+
+// rollback rolls the claim's transaction back and returns its connection
+// to the pool.
+func (st *txState) rollback() error {
+	err := st.tx.Rollback()
+	st.closeConn()
+	return err
+}
+
+// closeConn returns the claim's connection to the pool, once its
+// transaction has ended: sql.Conn.Close waits for an open one. A
+// connection that went bad is closed already, and discarded.
+func (st *txState) closeConn() {
+	_ = st.conn.Close()
 }
 
 // stateOf returns the open claim that ctx carries for key and token, or
@@ -87,12 +146,11 @@ func stateOf(ctx context.Context, key idemserver.Key, token string) *txState {
 // inserts the claim. A claimant that does not get the lock knows another
 // holds an uncommitted claim of the key and reports it in progress at once:
 // it neither waits on the other's row nor holds a connection afterwards.
-// The insert still settles races with claims that committed after the
+// A won claim's transaction keeps its connection (see txState). The insert still settles races with claims that committed after the
 // statement's snapshot, as in lease mode.
 func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
 	scope, lease := []byte(c.Key.Scope), c.LeaseExpires.Sub(c.Now)
-	claimed := func(tx *sql.Tx) (idemserver.ClaimResult, sql.NullString, error) {
-		st := &txState{tx: tx, key: c.Key, token: c.Token}
+	claimed := func(st *txState) (idemserver.ClaimResult, sql.NullString, error) {
 		return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, sql.NullString{}, nil
 	}
 	for run := 0; run < maxClaimRuns; run++ {
@@ -106,8 +164,12 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 
 		// The transaction outlives the request's context: a handler that
 		// finished after its client left still commits, so the client's
-		// retry gets the replay. The middleware ends it.
-		tx, err := s.db.BeginTx(context.WithoutCancel(ctx), nil)
+		// retry gets the replay. The middleware ends it. Only the wait
+		// for its connection ends with the request.
+		if s.testHookBegin != nil {
+			s.testHookBegin()
+		}
+		st, err := s.begin(ctx, c)
 		if err != nil {
 			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: begin: %w", err)
 		}
@@ -115,25 +177,25 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			locked, won bool
 			r           row
 		)
-		err = tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
+		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
 			Scan(append([]any{&locked, &won}, r.dest()...)...)
 		switch {
 		case err == nil && won:
-			return claimed(tx)
+			return claimed(st)
 		case err == nil && locked && r.token.Valid && r.expired():
 			// A completed record that expired: replace it in the
 			// transaction, unless someone else did first.
-			ok, err := s.replace(ctx, tx, c, r.token.String)
+			ok, err := s.replace(ctx, st.tx, c, r.token.String)
 			if err == nil && ok {
-				return claimed(tx)
+				return claimed(st)
 			}
-			_ = tx.Rollback()
+			_ = st.rollback()
 			if err != nil && !retryable(err) {
 				return idemserver.ClaimResult{}, sql.NullString{}, err
 			}
 			continue
 		}
-		_ = tx.Rollback()
+		_ = st.rollback()
 		switch {
 		case retryable(err):
 			continue
@@ -209,10 +271,10 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 		err = errors.New("the claim's row is gone from its transaction")
 	}
 	if err != nil {
-		_ = st.tx.Rollback()
+		_ = st.rollback()
 		return s.rolledBack(st, err)
 	}
-	err = st.tx.Commit()
+	err = st.commit()
 	switch {
 	case err == nil:
 		return nil
@@ -236,7 +298,7 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 // again). If the handler rolled back, no claim is there and nothing was
 // kept.
 func (s *Store) completeEndedTx(ctx context.Context, st *txState, ttl float64, encoded []byte) error {
-	n, err := execRows(ctx, s.db, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+	n, err := s.execEnded(ctx, st, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
 	switch {
 	case err != nil:
 		// Whether the handler committed cannot be told: nothing may be
@@ -272,12 +334,20 @@ func (s *Store) rolledBack(st *txState, err error) error {
 	return fmt.Errorf("pgstore: %w: %w", idemserver.ErrRolledBack, err)
 }
 
-// releaseTx rolls the claim's transaction back.
-func (s *Store) releaseTx(st *txState) error {
+// releaseTx rolls the claim's transaction back and returns its connection
+// to the pool, or, if the handler ended the transaction itself, releases
+// what it left (see releaseEndedTx).
+func (s *Store) releaseTx(ctx context.Context, st *txState) error {
 	st.ended.Store(true)
 	err := st.tx.Rollback()
-	if errors.Is(err, driver.ErrBadConn) {
+	switch {
+	case errors.Is(err, sql.ErrTxDone):
+		err = s.releaseEndedTx(ctx, st)
+	case errors.Is(err, driver.ErrBadConn):
+		st.closeConn()
 		err = nil // the server rolls back a transaction whose connection died
+	default:
+		st.closeConn()
 	}
 	if st.rerun.Load() {
 		return fmt.Errorf("pgstore: release: %w", errors.Join(idemserver.ErrRetryRequest, err))
@@ -286,6 +356,36 @@ func (s *Store) releaseTx(st *txState) error {
 		return fmt.Errorf("pgstore: release: %w", err)
 	}
 	return nil
+}
+
+// releaseEndedTx releases a claim whose transaction the handler ended
+// itself, against Tx's contract. If the handler committed, the claim is a
+// committed row in progress: it is deleted, by Release's statement of lease
+// mode, so that the retry runs at once instead of being told the key is in
+// progress for as long as the row is there. If the handler rolled back, no
+// row is there, and nothing is left to release.
+func (s *Store) releaseEndedTx(ctx context.Context, st *txState) error {
+	if _, err := s.execEnded(ctx, st, s.q.release, []byte(st.key.Scope), st.key.Key, st.token); err != nil {
+		// The claim may still be there, held: the middleware may try
+		// the release again.
+		st.ended.Store(false)
+		return fmt.Errorf("after the handler ended its transaction: %w", err)
+	}
+	return nil
+}
+
+// execEnded runs a statement for a claim whose transaction the handler
+// ended, on the claim's own connection, and then returns that connection to
+// the pool. On the pool, the statement would need a second connection,
+// which could be a wait behind every other claim. If the claim's
+// connection went bad, the statement, which was not sent, runs on the pool.
+func (s *Store) execEnded(ctx context.Context, st *txState, query string, args ...any) (int64, error) {
+	n, err := execRows(ctx, st.conn, query, args...)
+	st.closeConn()
+	if errors.Is(err, sql.ErrConnDone) || errors.Is(err, driver.ErrBadConn) {
+		return execRows(ctx, s.db, query, args...)
+	}
+	return n, err
 }
 
 // sqlState returns the SQLSTATE of an error the server sent, or "" for

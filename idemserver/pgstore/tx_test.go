@@ -362,3 +362,84 @@ func TestTransactionalLocksOfTablesOfOneNameInTwoSchemas(t *testing.T) {
 	assert.Equal(t, http.StatusCreated, status, body)
 	assert.Equal(t, http.StatusCreated, <-first)
 }
+
+func TestTransactionalHandlerThatEndsTxItselfThenFails(t *testing.T) {
+	// A handler that ends Tx itself, against its contract, and then
+	// answers 5xx or panics has its claim released, as any other: the
+	// retry runs at once. One that committed has made its claim's row
+	// durable, in progress: the release deletes it (a release that failed
+	// for it would leave every retry 409 while the row is there). One that
+	// rolled back left no row, and its release has nothing to do.
+	const failedDeletes = 1
+	for _, tt := range []struct {
+		name     string
+		end      func(*sql.Tx) error
+		fail     func(http.ResponseWriter)
+		deletes  int // how many of the first deletes of a row fail
+		releases int
+		payments int // the first run's insert, if kept, and the retry's
+	}{
+		{"commit, 500", (*sql.Tx).Commit, func(w http.ResponseWriter) { w.WriteHeader(http.StatusInternalServerError) }, 0, 1, 2},
+		{"commit, panic", (*sql.Tx).Commit, func(http.ResponseWriter) { panic(http.ErrAbortHandler) }, 0, 1, 2},
+		{"rollback, 500", (*sql.Tx).Rollback, func(w http.ResponseWriter) { w.WriteHeader(http.StatusInternalServerError) }, 0, 1, 1},
+		{"commit, 503, the first delete fails", (*sql.Tx).Commit, func(w http.ResponseWriter) { w.WriteHeader(http.StatusServiceUnavailable) }, failedDeletes, 1 + failedDeletes, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			// One connection: the release must not need a second one.
+			db := newTestDB(t, 1)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			s := db.newStore(t, WithTransactional())
+			for _, q := range []string{
+				"CREATE SEQUENCE deletes",
+				fmt.Sprintf(`CREATE FUNCTION fail_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF nextval('deletes') <= %d THEN
+		RAISE EXCEPTION 'injected';
+	END IF;
+	RETURN OLD;
+END $$`, tt.deletes),
+				"CREATE TRIGGER fail_delete BEFORE DELETE ON " + s.table.quoted() + " FOR EACH ROW EXECUTE FUNCTION fail_delete()",
+			} {
+				_, err := db.ExecContext(t.Context(), q)
+				require.NoError(t, err, q)
+			}
+			store := &releaseCounter{Store: s}
+			var runs atomic.Int64
+			h := idemserver.Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				tx := Tx(r.Context())
+				_, err := tx.ExecContext(r.Context(), "INSERT INTO payments (key) VALUES ('k')")
+				require.NoError(t, err)
+				if runs.Add(1) == 1 {
+					require.NoError(t, tt.end(tx))
+					tt.fail(w)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			func() {
+				defer func() { _ = recover() }()
+				status, body, _ := post(h, "k")
+				assert.GreaterOrEqual(t, status, http.StatusInternalServerError, body)
+			}()
+			errs := store.releaseErrs()
+			assert.Len(t, errs, tt.releases, "releases")
+			if assert.NotEmpty(t, errs) {
+				assert.NoError(t, errs[len(errs)-1], "the claim was released")
+			}
+			assert.Zero(t, countKeys(t, db, s), "no claim left in progress")
+			assert.Zero(t, db.Stats().InUse, "the connection is back in the pool")
+
+			status, body, replayed := post(h, "k")
+			assert.Equal(t, http.StatusCreated, status, "the retry runs at once: %s", body)
+			assert.False(t, replayed)
+			assert.Equal(t, int64(2), runs.Load(), "handler runs")
+			status, body, replayed = post(h, "k")
+			assert.Equal(t, http.StatusCreated, status, body)
+			assert.True(t, replayed, "the retry's outcome is the key's")
+			assert.Equal(t, int64(2), runs.Load(), "handler runs")
+			assert.Equal(t, tt.payments, countPayments(t, db.DB, "k"))
+			assert.Zero(t, db.Stats().InUse, "the connection is back in the pool")
+		})
+	}
+}
