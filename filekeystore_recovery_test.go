@@ -2,7 +2,10 @@ package idemhttp
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
+	"hash/crc32"
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -250,6 +253,124 @@ func TestFileKeyStoreFrameInsideRecordIsNotRead(t *testing.T) {
 	}
 }
 
+// A torn write can leave a frame's body on the disk without its header,
+// and recovery then searches that body for the next frame. An operation
+// id is opaque bytes, so it can hold a frame that gives another operation
+// a key of the id's choosing, and after it a frame header that announces
+// more than the file holds, which would pass for a torn tail and cut off
+// the frames after it. Made without the file's salt, neither is a frame
+// of the file: a torn last frame is trimmed whole, and damage earlier in
+// the file is skipped up to the next real frame, whose records are kept.
+func TestFileKeyStoreFrameInsideHeaderlessFrameIsNotRead(t *testing.T) {
+	forged := frameOf(keylog.AppendAcquire(nil, "victim", "forged", 1))
+	endless := make([]byte, keylog.FrameHeaderSize)
+	binary.LittleEndian.PutUint32(endless, keylog.MaxFrameBody)
+	binary.LittleEndian.PutUint32(endless[8:], crc32.Checksum(endless[:8], crc32.MakeTable(crc32.Castagnoli)))
+	smuggler := "order-" + string(forged) + string(endless)
+	p := buildStore(t, []storeStep{acq("victim", "kv", "kv"), acq(smuggler, "ks", "ks"), acq("c", "kc", "kc")})
+	data, err := os.ReadFile(p)
+	require.NoError(t, err)
+	offs := frameOffsets(t, p) // victim, smuggler, c, end
+	for i := offs[1]; i < offs[1]+keylog.FrameHeaderSize; i++ {
+		data[i] = 0 // the smuggler's frame header never reached the disk
+	}
+	tests := []struct {
+		name    string
+		data    []byte
+		opts    []FileOption
+		corrupt bool // a strict open fails
+		want    map[string]string
+		trimmed int64
+		skipped []int64
+	}{
+		{
+			name:    "torn last write",
+			data:    data[:offs[2]],
+			want:    map[string]string{"victim": "kv"},
+			trimmed: offs[2] - offs[1],
+		},
+		{
+			name:    "torn last write, salvaged",
+			data:    data[:offs[2]],
+			opts:    []FileOption{WithSalvage()},
+			want:    map[string]string{"victim": "kv"},
+			trimmed: offs[2] - offs[1],
+		},
+		{
+			name:    "damaged before another frame",
+			data:    data,
+			corrupt: true,
+		},
+		{
+			name:    "damaged before another frame, salvaged",
+			data:    data,
+			opts:    []FileOption{WithSalvage()},
+			want:    map[string]string{"victim": "kv", "c": "kc"},
+			skipped: []int64{offs[1]},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s, err := OpenFileKeyStore(writeVariant(t, tt.data), tt.opts...)
+			if tt.corrupt {
+				var ce *CorruptError
+				require.ErrorAs(t, err, &ce)
+				assert.Equal(t, offs[1], ce.Offset)
+				return
+			}
+			require.NoError(t, err)
+			defer s.Close()
+			assert.Equal(t, tt.want, pendingMap(t, s))
+			rec := s.Recovery()
+			assert.Equal(t, tt.trimmed, rec.TrimmedBytes)
+			var skipped []int64
+			for _, ce := range rec.Skipped {
+				skipped = append(skipped, ce.Offset)
+			}
+			assert.Equal(t, tt.skipped, skipped)
+		})
+	}
+}
+
+// A file of version 1, whose frames' checksums have no salt, is read, and
+// rewritten in the current version before anything is appended to it.
+func TestFileKeyStoreRewritesVersion1(t *testing.T) {
+	v1 := keylog.V1Header()
+	frame := func(records ...[]byte) []byte {
+		f := make([]byte, keylog.FrameHeaderSize)
+		for _, r := range records {
+			f = append(f, r...)
+		}
+		v1.PutFrameHeader(f)
+		return f
+	}
+	data := v1.Append(nil)
+	data = append(data, frame(keylog.AppendAcquire(nil, "a", "ka", 1), keylog.AppendAcquire(nil, "b", "kb", 2))...)
+	data = append(data, frame(keylog.AppendRelease(nil, "a", "ka"))...)
+	torn := frame(keylog.AppendAcquire(nil, "c", "kc", 3))
+	data = append(data, torn[:len(torn)-1]...)
+	p := writeVariant(t, data)
+
+	s := openTestStore(t, p)
+	assert.Equal(t, map[string]string{"b": "kb"}, pendingMap(t, s))
+	assert.Equal(t, int64(len(torn)-1), s.Recovery().TrimmedBytes)
+	header := make([]byte, keylog.HeaderSize)
+	f, err := os.Open(p)
+	require.NoError(t, err)
+	_, err = io.ReadFull(f, header)
+	require.NoError(t, f.Close())
+	require.NoError(t, err)
+	h, err := keylog.ReadHeader(header)
+	require.NoError(t, err)
+	assert.Equal(t, uint16(keylog.Version), h.Version(), "rewritten at open")
+
+	_, err = s.Acquire(context.Background(), "d", "kd")
+	require.NoError(t, err)
+	s = reopen(t, s)
+	assert.Equal(t, map[string]string{"b": "kb", "d": "kd"}, pendingMap(t, s))
+	assert.Equal(t, FileRecovery{}, s.Recovery())
+}
+
 // flipByte returns a copy of data with the byte at i inverted.
 func flipByte(data []byte, i int64) []byte {
 	d := append([]byte(nil), data...)
@@ -257,12 +378,13 @@ func flipByte(data []byte, i int64) []byte {
 	return d
 }
 
-// frameOf returns a frame holding records.
+// frameOf returns a frame holding records, as one can make it without
+// the file it goes in: its checksums have no salt.
 func frameOf(records ...[]byte) []byte {
 	f := make([]byte, keylog.FrameHeaderSize)
 	for _, r := range records {
 		f = append(f, r...)
 	}
-	keylog.PutFrameHeader(f)
+	keylog.V1Header().PutFrameHeader(f)
 	return f
 }
