@@ -214,14 +214,7 @@ func TestFileKeyStoreFrameInsideRecordIsNotRead(t *testing.T) {
 	data, err := os.ReadFile(p)
 	require.NoError(t, err)
 	offs := frameOffsets(t, p) // victim, smuggler, c, end
-	tests := []struct {
-		name    string
-		data    []byte
-		opts    []FileOption
-		want    map[string]string
-		trimmed int64
-		skipped []int64
-	}{
+	tests := []recoveryCase{
 		{
 			name:    "torn after the forged frame",
 			data:    data[:offs[2]-1],
@@ -236,21 +229,7 @@ func TestFileKeyStoreFrameInsideRecordIsNotRead(t *testing.T) {
 			skipped: []int64{offs[1]},
 		},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			s, err := OpenFileKeyStore(writeVariant(t, tt.data), tt.opts...)
-			require.NoError(t, err)
-			defer s.Close()
-			assert.Equal(t, tt.want, pendingMap(t, s))
-			rec := s.Recovery()
-			assert.Equal(t, tt.trimmed, rec.TrimmedBytes)
-			var skipped []int64
-			for _, ce := range rec.Skipped {
-				skipped = append(skipped, ce.Offset)
-			}
-			assert.Equal(t, tt.skipped, skipped)
-		})
-	}
+	checkRecoveries(t, tests)
 }
 
 // A torn write can leave a frame's body on the disk without its header,
@@ -274,15 +253,7 @@ func TestFileKeyStoreFrameInsideHeaderlessFrameIsNotRead(t *testing.T) {
 	for i := offs[1]; i < offs[1]+keylog.FrameHeaderSize; i++ {
 		data[i] = 0 // the smuggler's frame header never reached the disk
 	}
-	tests := []struct {
-		name    string
-		data    []byte
-		opts    []FileOption
-		corrupt bool // a strict open fails
-		want    map[string]string
-		trimmed int64
-		skipped []int64
-	}{
+	tests := []recoveryCase{
 		{
 			name:    "torn last write",
 			data:    data[:offs[2]],
@@ -297,9 +268,9 @@ func TestFileKeyStoreFrameInsideHeaderlessFrameIsNotRead(t *testing.T) {
 			trimmed: offs[2] - offs[1],
 		},
 		{
-			name:    "damaged before another frame",
-			data:    data,
-			corrupt: true,
+			name:      "damaged before another frame",
+			data:      data,
+			corruptAt: offs[1],
 		},
 		{
 			name:    "damaged before another frame, salvaged",
@@ -309,45 +280,17 @@ func TestFileKeyStoreFrameInsideHeaderlessFrameIsNotRead(t *testing.T) {
 			skipped: []int64{offs[1]},
 		},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			s, err := OpenFileKeyStore(writeVariant(t, tt.data), tt.opts...)
-			if tt.corrupt {
-				var ce *CorruptError
-				require.ErrorAs(t, err, &ce)
-				assert.Equal(t, offs[1], ce.Offset)
-				return
-			}
-			require.NoError(t, err)
-			defer s.Close()
-			assert.Equal(t, tt.want, pendingMap(t, s))
-			rec := s.Recovery()
-			assert.Equal(t, tt.trimmed, rec.TrimmedBytes)
-			var skipped []int64
-			for _, ce := range rec.Skipped {
-				skipped = append(skipped, ce.Offset)
-			}
-			assert.Equal(t, tt.skipped, skipped)
-		})
-	}
+	checkRecoveries(t, tests)
 }
 
 // A file of version 1, whose frames' checksums have no salt, is read, and
 // rewritten in the current version before anything is appended to it.
 func TestFileKeyStoreRewritesVersion1(t *testing.T) {
-	v1 := keylog.V1Header()
-	frame := func(records ...[]byte) []byte {
-		f := make([]byte, keylog.FrameHeaderSize)
-		for _, r := range records {
-			f = append(f, r...)
-		}
-		v1.PutFrameHeader(f)
-		return f
-	}
-	data := v1.Append(nil)
-	data = append(data, frame(keylog.AppendAcquire(nil, "a", "ka", 1), keylog.AppendAcquire(nil, "b", "kb", 2))...)
-	data = append(data, frame(keylog.AppendRelease(nil, "a", "ka"))...)
-	torn := frame(keylog.AppendAcquire(nil, "c", "kc", 3))
+	// frameOf makes frames without a salt, as version 1 has them.
+	data := keylog.V1Header().Append(nil)
+	data = append(data, frameOf(keylog.AppendAcquire(nil, "a", "ka", 1), keylog.AppendAcquire(nil, "b", "kb", 2))...)
+	data = append(data, frameOf(keylog.AppendRelease(nil, "a", "ka"))...)
+	torn := frameOf(keylog.AppendAcquire(nil, "c", "kc", 3))
 	data = append(data, torn[:len(torn)-1]...)
 	p := writeVariant(t, data)
 
@@ -369,6 +312,44 @@ func TestFileKeyStoreRewritesVersion1(t *testing.T) {
 	s = reopen(t, s)
 	assert.Equal(t, map[string]string{"b": "kb", "d": "kd"}, pendingMap(t, s))
 	assert.Equal(t, FileRecovery{}, s.Recovery())
+}
+
+// recoveryCase is a store file and what opening it must find.
+type recoveryCase struct {
+	name string
+	data []byte
+	opts []FileOption
+	// corruptAt, when not zero, is the offset of the damage for which a
+	// strict open fails; the other fields are then not looked at.
+	corruptAt int64
+	want      map[string]string // the pending keys
+	trimmed   int64             // Recovery().TrimmedBytes
+	skipped   []int64           // the offsets of Recovery().Skipped
+}
+
+// checkRecoveries opens the file of each case and checks what it finds.
+func checkRecoveries(t *testing.T, tests []recoveryCase) {
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s, err := OpenFileKeyStore(writeVariant(t, tt.data), tt.opts...)
+			if tt.corruptAt != 0 {
+				var ce *CorruptError
+				require.ErrorAs(t, err, &ce)
+				assert.Equal(t, tt.corruptAt, ce.Offset)
+				return
+			}
+			require.NoError(t, err)
+			defer s.Close()
+			assert.Equal(t, tt.want, pendingMap(t, s))
+			rec := s.Recovery()
+			assert.Equal(t, tt.trimmed, rec.TrimmedBytes)
+			var skipped []int64
+			for _, ce := range rec.Skipped {
+				skipped = append(skipped, ce.Offset)
+			}
+			assert.Equal(t, tt.skipped, skipped)
+		})
+	}
 }
 
 // flipByte returns a copy of data with the byte at i inverted.
