@@ -117,6 +117,7 @@ type FileKeyStore struct {
 	cfg      fileConfig
 	unlock   func()
 	recovery FileRecovery
+	hdr      keylog.Header // the file's: its frames are checksummed with its salt
 
 	mu      sync.Mutex
 	entries map[string]entryValue // pending keys by operation id
@@ -169,7 +170,8 @@ type queued struct {
 // torn final write left by a crash is trimmed (see [FileKeyStore.Recovery]);
 // damage anywhere else fails with a [*CorruptError] unless [WithSalvage] is
 // given. A store that another FileKeyStore has open fails with
-// [ErrStoreLocked].
+// [ErrStoreLocked]. A file written by a release that used format version 1
+// is rewritten in the current version, which those releases cannot open.
 func OpenFileKeyStore(path string, opts ...FileOption) (*FileKeyStore, error) {
 	cfg := fileConfig{compactMinSize: compactMinSize, now: time.Now}
 	for _, o := range opts {
@@ -253,16 +255,15 @@ func (s *FileKeyStore) load() error {
 	if size <= keylog.HeaderSize && keylog.IsUnfinishedHeader(hdr[:n]) {
 		return s.create()
 	}
-	if size < keylog.HeaderSize {
-		return s.corrupt(0, keylog.ErrNotKeyLog.Error())
-	}
-	if err := keylog.CheckHeader(hdr); err != nil {
+	h, err := keylog.ReadHeader(hdr[:n])
+	if err != nil {
 		var ve *keylog.VersionError
 		if errors.As(err, &ve) {
 			return fmt.Errorf("idemhttp: key store %s: %w", s.path, err)
 		}
 		return s.corrupt(0, err.Error())
 	}
+	s.hdr = h
 
 	// The last owner may have crashed between writing the header and
 	// syncing the directory; what this store acknowledges must not rest on
@@ -271,7 +272,7 @@ func (s *FileKeyStore) load() error {
 		return fmt.Errorf("idemhttp: open key store %s: %w", s.path, err)
 	}
 
-	sc := keylog.NewScanner(s.f, size)
+	sc := keylog.NewScanner(s.f, size, s.hdr)
 	var recs []keylog.Record
 	for {
 		off, body, err := sc.Next()
@@ -313,9 +314,16 @@ func (s *FileKeyStore) load() error {
 		break
 	}
 	s.countLiveBytes()
-	if len(s.recovery.Skipped) > 0 {
+	if len(s.recovery.Skipped) > 0 || s.hdr.Version() != keylog.Version {
 		// Rewrite now, so the damage is gone before anything is appended
-		// after it and the next strict open succeeds.
+		// after it and the next strict open succeeds; and a file of an
+		// earlier version, whose frames' checksums have no salt, is
+		// rewritten in this one before anything is appended to it.
+		if s.hdr.Version() != keylog.Version {
+			if s.hdr, err = keylog.NewHeader(); err != nil {
+				return fmt.Errorf("idemhttp: rewrite key store %s: %w", s.path, err)
+			}
+		}
 		return s.rewrite(s.snapshotLocked())
 	}
 	return nil
@@ -323,9 +331,13 @@ func (s *FileKeyStore) load() error {
 
 // create writes the header of a new (or torn, header-less) store file.
 func (s *FileKeyStore) create() error {
-	err := s.f.Truncate(0)
+	var err error
+	s.hdr, err = keylog.NewHeader()
 	if err == nil {
-		_, err = s.f.WriteAt(keylog.AppendHeader(nil), 0)
+		err = s.f.Truncate(0)
+	}
+	if err == nil {
+		_, err = s.f.WriteAt(s.hdr.Append(nil), 0)
 	}
 	if err == nil {
 		err = s.f.Sync()
@@ -618,7 +630,7 @@ func (s *FileKeyStore) flushLocked() {
 	s.acquireFlusherLocked()
 	s.mu.Unlock()
 
-	keylog.PutFrameHeader(frame)
+	s.hdr.PutFrameHeader(frame)
 	_, err := f.WriteAt(frame, off)
 	if err == nil {
 		err = f.Sync()

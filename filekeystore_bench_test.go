@@ -77,11 +77,15 @@ func writePendingStore(b *testing.B, path string, n int) (strBytes int64) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	h, err := keylog.NewHeader()
+	if err != nil {
+		b.Fatal(err)
+	}
 	w := bufio.NewWriter(f)
-	w.Write(keylog.AppendHeader(nil))
+	w.Write(h.Append(nil))
 	frame := make([]byte, keylog.FrameHeaderSize, keylog.FrameHeaderSize+keylog.MaxFrameBody)
 	flush := func() {
-		keylog.PutFrameHeader(frame)
+		h.PutFrameHeader(frame)
 		w.Write(frame)
 		frame = frame[:keylog.FrameHeaderSize]
 	}

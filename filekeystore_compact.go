@@ -169,14 +169,16 @@ func (s *FileKeyStore) writeCompacted(live []liveRecord, stopped func() bool) (*
 		return nil, 0, err
 	}
 	w := bufio.NewWriterSize(tf, keylog.MaxFrameBody+keylog.FrameHeaderSize)
-	size := int64(keylog.HeaderSize)
-	_, err = w.Write(keylog.AppendHeader(nil))
+	// The file's salt stays: the frames appended to the old file while
+	// this one was written are copied as they are.
+	size := s.hdr.Size()
+	_, err = w.Write(s.hdr.Append(nil))
 	frame := make([]byte, keylog.FrameHeaderSize, keylog.FrameHeaderSize+keylog.MaxFrameBody)
 	flush := func() {
 		if err != nil || len(frame) == keylog.FrameHeaderSize {
 			return
 		}
-		keylog.PutFrameHeader(frame)
+		s.hdr.PutFrameHeader(frame)
 		_, err = w.Write(frame)
 		size += int64(len(frame))
 		frame = frame[:keylog.FrameHeaderSize]

@@ -2,7 +2,10 @@ package idemhttp
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
+	"hash/crc32"
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -211,14 +214,7 @@ func TestFileKeyStoreFrameInsideRecordIsNotRead(t *testing.T) {
 	data, err := os.ReadFile(p)
 	require.NoError(t, err)
 	offs := frameOffsets(t, p) // victim, smuggler, c, end
-	tests := []struct {
-		name    string
-		data    []byte
-		opts    []FileOption
-		want    map[string]string
-		trimmed int64
-		skipped []int64
-	}{
+	tests := []recoveryCase{
 		{
 			name:    "torn after the forged frame",
 			data:    data[:offs[2]-1],
@@ -233,9 +229,115 @@ func TestFileKeyStoreFrameInsideRecordIsNotRead(t *testing.T) {
 			skipped: []int64{offs[1]},
 		},
 	}
+	checkRecoveries(t, tests)
+}
+
+// A torn write can leave a frame's body on the disk without its header,
+// and recovery then searches that body for the next frame. An operation
+// id is opaque bytes, so it can hold a frame that gives another operation
+// a key of the id's choosing, and after it a frame header that announces
+// more than the file holds, which would pass for a torn tail and cut off
+// the frames after it. Made without the file's salt, neither is a frame
+// of the file: a torn last frame is trimmed whole, and damage earlier in
+// the file is skipped up to the next real frame, whose records are kept.
+func TestFileKeyStoreFrameInsideHeaderlessFrameIsNotRead(t *testing.T) {
+	forged := frameOf(keylog.AppendAcquire(nil, "victim", "forged", 1))
+	endless := make([]byte, keylog.FrameHeaderSize)
+	binary.LittleEndian.PutUint32(endless, keylog.MaxFrameBody)
+	binary.LittleEndian.PutUint32(endless[8:], crc32.Checksum(endless[:8], crc32.MakeTable(crc32.Castagnoli)))
+	smuggler := "order-" + string(forged) + string(endless)
+	p := buildStore(t, []storeStep{acq("victim", "kv", "kv"), acq(smuggler, "ks", "ks"), acq("c", "kc", "kc")})
+	data, err := os.ReadFile(p)
+	require.NoError(t, err)
+	offs := frameOffsets(t, p) // victim, smuggler, c, end
+	for i := offs[1]; i < offs[1]+keylog.FrameHeaderSize; i++ {
+		data[i] = 0 // the smuggler's frame header never reached the disk
+	}
+	tests := []recoveryCase{
+		{
+			name:    "torn last write",
+			data:    data[:offs[2]],
+			want:    map[string]string{"victim": "kv"},
+			trimmed: offs[2] - offs[1],
+		},
+		{
+			name:    "torn last write, salvaged",
+			data:    data[:offs[2]],
+			opts:    []FileOption{WithSalvage()},
+			want:    map[string]string{"victim": "kv"},
+			trimmed: offs[2] - offs[1],
+		},
+		{
+			name:      "damaged before another frame",
+			data:      data,
+			corruptAt: offs[1],
+		},
+		{
+			name:    "damaged before another frame, salvaged",
+			data:    data,
+			opts:    []FileOption{WithSalvage()},
+			want:    map[string]string{"victim": "kv", "c": "kc"},
+			skipped: []int64{offs[1]},
+		},
+	}
+	checkRecoveries(t, tests)
+}
+
+// A file of version 1, whose frames' checksums have no salt, is read, and
+// rewritten in the current version before anything is appended to it.
+func TestFileKeyStoreRewritesVersion1(t *testing.T) {
+	// frameOf makes frames without a salt, as version 1 has them.
+	data := keylog.V1Header().Append(nil)
+	data = append(data, frameOf(keylog.AppendAcquire(nil, "a", "ka", 1), keylog.AppendAcquire(nil, "b", "kb", 2))...)
+	data = append(data, frameOf(keylog.AppendRelease(nil, "a", "ka"))...)
+	torn := frameOf(keylog.AppendAcquire(nil, "c", "kc", 3))
+	data = append(data, torn[:len(torn)-1]...)
+	p := writeVariant(t, data)
+
+	s := openTestStore(t, p)
+	assert.Equal(t, map[string]string{"b": "kb"}, pendingMap(t, s))
+	assert.Equal(t, int64(len(torn)-1), s.Recovery().TrimmedBytes)
+	header := make([]byte, keylog.HeaderSize)
+	f, err := os.Open(p)
+	require.NoError(t, err)
+	_, err = io.ReadFull(f, header)
+	require.NoError(t, f.Close())
+	require.NoError(t, err)
+	h, err := keylog.ReadHeader(header)
+	require.NoError(t, err)
+	assert.Equal(t, uint16(keylog.Version), h.Version(), "rewritten at open")
+
+	_, err = s.Acquire(context.Background(), "d", "kd")
+	require.NoError(t, err)
+	s = reopen(t, s)
+	assert.Equal(t, map[string]string{"b": "kb", "d": "kd"}, pendingMap(t, s))
+	assert.Equal(t, FileRecovery{}, s.Recovery())
+}
+
+// recoveryCase is a store file and what opening it must find.
+type recoveryCase struct {
+	name string
+	data []byte
+	opts []FileOption
+	// corruptAt, when not zero, is the offset of the damage for which a
+	// strict open fails; the other fields are then not looked at.
+	corruptAt int64
+	want      map[string]string // the pending keys
+	trimmed   int64             // Recovery().TrimmedBytes
+	skipped   []int64           // the offsets of Recovery().Skipped
+}
+
+// checkRecoveries opens the file of each case and checks what it finds.
+func checkRecoveries(t *testing.T, tests []recoveryCase) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s, err := OpenFileKeyStore(writeVariant(t, tt.data), tt.opts...)
+			if tt.corruptAt != 0 {
+				var ce *CorruptError
+				require.ErrorAs(t, err, &ce)
+				assert.Equal(t, tt.corruptAt, ce.Offset)
+				return
+			}
 			require.NoError(t, err)
 			defer s.Close()
 			assert.Equal(t, tt.want, pendingMap(t, s))
@@ -257,12 +359,13 @@ func flipByte(data []byte, i int64) []byte {
 	return d
 }
 
-// frameOf returns a frame holding records.
+// frameOf returns a frame holding records, as one can make it without
+// the file it goes in: its checksums have no salt.
 func frameOf(records ...[]byte) []byte {
 	f := make([]byte, keylog.FrameHeaderSize)
 	for _, r := range records {
 		f = append(f, r...)
 	}
-	keylog.PutFrameHeader(f)
+	keylog.V1Header().PutFrameHeader(f)
 	return f
 }

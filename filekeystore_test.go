@@ -156,7 +156,7 @@ func TestFileKeyStoreClosed(t *testing.T) {
 }
 
 func TestOpenFileKeyStoreErrors(t *testing.T) {
-	header := keylog.AppendHeader(nil)
+	header := newHeaderBytes(t)
 	badVersion := append([]byte(nil), header...)
 	badVersion[8] = 9
 	tests := []struct {
@@ -232,35 +232,56 @@ func TestOpenFileKeyStoreReadOnlyDirectory(t *testing.T) {
 }
 
 func TestOpenFileKeyStoreUnsupportedVersion(t *testing.T) {
-	// A well-formed header of another version.
-	h := []byte(keylog.Magic + "\x02\x00\x00\x00")
-	h = append(h, 0, 0, 0, 0)
+	// A well-formed header of a later version, laid out as version 2's.
+	h := newHeaderBytes(t)
+	h[8] = 3
 	keylogPutHeaderCRC(h)
 	p := filepath.Join(t.TempDir(), "keys")
 	require.NoError(t, os.WriteFile(p, h, 0o600))
 	_, err := OpenFileKeyStore(p)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, ErrStoreCorrupt)
-	assert.Contains(t, err.Error(), "unsupported format version 2")
+	assert.Contains(t, err.Error(), "unsupported format version 3")
+	after, err := os.ReadFile(p)
+	require.NoError(t, err)
+	assert.Equal(t, h, after, "the file is left as it was")
 }
 
-// keylogPutHeaderCRC fills in the checksum of a 16-byte file header.
+// newHeaderBytes returns the header of a new store file.
+func newHeaderBytes(t *testing.T) []byte {
+	t.Helper()
+	h, err := keylog.NewHeader()
+	require.NoError(t, err)
+	return h.Append(nil)
+}
+
+// keylogPutHeaderCRC fills in the checksum of a file header, its last 4
+// bytes.
 func keylogPutHeaderCRC(h []byte) {
-	binary.LittleEndian.PutUint32(h[12:], crc32.Checksum(h[:12], crc32.MakeTable(crc32.Castagnoli)))
+	n := len(h) - 4
+	binary.LittleEndian.PutUint32(h[n:], crc32.Checksum(h[:n], crc32.MakeTable(crc32.Castagnoli)))
+}
+
+// headersOfEachVersion returns a header of each version a store reads,
+// by name: the current one, and version 1, which an earlier release may
+// have left half written.
+func headersOfEachVersion(t *testing.T) map[string][]byte {
+	return map[string][]byte{"current": newHeaderBytes(t), "v1": keylog.V1Header().Append(nil)}
 }
 
 func TestFileKeyStoreCreatesTornHeader(t *testing.T) {
-	header := keylog.AppendHeader(nil)
-	for n := 0; n < len(header); n++ {
-		t.Run(fmt.Sprint(n, " bytes"), func(t *testing.T) {
-			p := filepath.Join(t.TempDir(), "keys")
-			require.NoError(t, os.WriteFile(p, header[:n], 0o600))
-			s := openTestStore(t, p)
-			_, err := s.Acquire(context.Background(), "a", "k")
-			require.NoError(t, err)
-			s = reopen(t, s)
-			assert.Equal(t, map[string]string{"a": "k"}, pendingMap(t, s))
-		})
+	for version, header := range headersOfEachVersion(t) {
+		for n := 0; n < len(header); n++ {
+			t.Run(fmt.Sprint(version, "/", n, " bytes"), func(t *testing.T) {
+				p := filepath.Join(t.TempDir(), "keys")
+				require.NoError(t, os.WriteFile(p, header[:n], 0o600))
+				s := openTestStore(t, p)
+				_, err := s.Acquire(context.Background(), "a", "k")
+				require.NoError(t, err)
+				s = reopen(t, s)
+				assert.Equal(t, map[string]string{"a": "k"}, pendingMap(t, s))
+			})
+		}
 	}
 }
 
@@ -269,19 +290,20 @@ func TestFileKeyStoreCreatesHeaderLeftAsZeros(t *testing.T) {
 	// extent allocated but unwritten, which some file systems show as
 	// zeros: the start of the header, then zeros, no longer than a header.
 	// Nothing was ever stored in such a file, so it is created afresh.
-	header := keylog.AppendHeader(nil)
-	for n := 0; n < len(header); n++ {
-		for _, size := range []int{n + 1, len(header)} {
-			t.Run(fmt.Sprintf("%d header bytes of %d", n, size), func(t *testing.T) {
-				p := filepath.Join(t.TempDir(), "keys")
-				b := append(append([]byte(nil), header[:n]...), make([]byte, size-n)...)
-				require.NoError(t, os.WriteFile(p, b, 0o600))
-				s := openTestStore(t, p)
-				_, err := s.Acquire(context.Background(), "a", "k")
-				require.NoError(t, err)
-				s = reopen(t, s)
-				assert.Equal(t, map[string]string{"a": "k"}, pendingMap(t, s))
-			})
+	for version, header := range headersOfEachVersion(t) {
+		for n := 0; n < len(header); n++ {
+			for _, size := range []int{n + 1, len(header)} {
+				t.Run(fmt.Sprintf("%s/%d header bytes of %d", version, n, size), func(t *testing.T) {
+					p := filepath.Join(t.TempDir(), "keys")
+					b := append(append([]byte(nil), header[:n]...), make([]byte, size-n)...)
+					require.NoError(t, os.WriteFile(p, b, 0o600))
+					s := openTestStore(t, p)
+					_, err := s.Acquire(context.Background(), "a", "k")
+					require.NoError(t, err)
+					s = reopen(t, s)
+					assert.Equal(t, map[string]string{"a": "k"}, pendingMap(t, s))
+				})
+			}
 		}
 	}
 }
@@ -474,7 +496,12 @@ func frameOffsets(t *testing.T, path string) []int64 {
 	defer f.Close()
 	fi, err := f.Stat()
 	require.NoError(t, err)
-	sc := keylog.NewScanner(f, fi.Size())
+	hdr := make([]byte, keylog.HeaderSize)
+	n, err := f.ReadAt(hdr, 0)
+	require.True(t, err == nil || errors.Is(err, io.EOF), "%v", err)
+	h, err := keylog.ReadHeader(hdr[:n])
+	require.NoError(t, err)
+	sc := keylog.NewScanner(f, fi.Size(), h)
 	var offs []int64
 	for {
 		off, _, err := sc.Next()

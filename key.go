@@ -106,10 +106,14 @@ const hexPairs = "" +
 	"e0e1e2e3e4e5e6e7e8e9eaebecedeeef" +
 	"f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff"
 
-// checkKey returns an error unless key can be sent as an idempotency key:
-// one or more printable ASCII characters, which a header field carries
-// unchanged and an sf-string can hold.
-func checkKey(key string) error {
+// checkKey returns an error unless key can be sent as an idempotency key,
+// in an sf-string if structured is set and bare otherwise, and reach the
+// server as the same key: one or more printable ASCII characters, which an
+// sf-string can hold; sent bare, neither beginning nor ending with a space,
+// which a header field's value loses, nor beginning with a double quote,
+// which makes a server read the value as an sf-string. Either would make
+// the server read another key, perhaps another operation's.
+func checkKey(key string, structured bool) error {
 	if key == "" {
 		return errors.New("idemhttp: empty idempotency key")
 	}
@@ -117,6 +121,15 @@ func checkKey(key string) error {
 		if key[i] < 0x20 || key[i] > 0x7e {
 			return fmt.Errorf("idemhttp: idempotency key %q holds a byte outside printable ASCII", key)
 		}
+	}
+	if structured {
+		return nil
+	}
+	if key[0] == ' ' || key[len(key)-1] == ' ' {
+		return fmt.Errorf("idemhttp: idempotency key %q begins or ends with a space, which its header field would lose", key)
+	}
+	if key[0] == '"' {
+		return fmt.Errorf("idemhttp: idempotency key %q begins with a double quote, so a server would read it as a Structured Fields string; use WithStructuredKey to send it", key)
 	}
 	return nil
 }

@@ -3,13 +3,19 @@ package idemhttp
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // requireUUIDv7s checks that keys are distinct UUIDv7s stamped between
@@ -134,4 +140,58 @@ func TestTransportSendsUUIDv7Keys(t *testing.T) {
 	}
 	require.Len(t, keys, 200)
 	requireUUIDv7s(t, keys, before, after)
+}
+
+// A header field's value loses the spaces around it, and a server reads a
+// bare value in double quotes as a Structured Fields string, so a key
+// generator's "order-7 " or "\"order-7\"" would reach the server as
+// order-7: another operation's key, whose outcome the server would replay
+// for this one without running it. Such a key stops the request instead;
+// inside a Structured Fields string, which carries it whole, it is sent.
+func TestKeyTheServerWouldReadAsAnother(t *testing.T) {
+	tests := []struct {
+		name       string
+		second     string
+		structured bool
+		refused    bool
+	}{
+		{"trailing space", "order-7 ", false, true},
+		{"leading space", " order-7", false, true},
+		{"double quotes", `"order-7"`, false, true},
+		{"trailing space, structured", "order-7 ", true, false},
+		{"double quotes, structured", `"order-7"`, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var executions atomic.Int32
+			srv := httptest.NewServer(idemserver.Middleware(idemserver.NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				executions.Add(1)
+				w.WriteHeader(http.StatusCreated)
+			})))
+			t.Cleanup(srv.Close)
+			keys := []string{"order-7", tt.second}
+			var made atomic.Int32
+			opts := []Option{WithKeyGenerator(func() (string, error) { return keys[made.Add(1)-1], nil })}
+			if tt.structured {
+				opts = append(opts, WithStructuredKey())
+			}
+			client := &http.Client{Transport: NewTransport(newBaseTransport(t), opts...)}
+			for i := range 2 {
+				resp, err := client.Post(srv.URL, "text/plain", strings.NewReader("charge"))
+				if i == 1 && tt.refused {
+					require.ErrorIs(t, err, ErrKeyStore)
+					break
+				}
+				require.NoError(t, err)
+				assert.Equal(t, http.StatusCreated, resp.StatusCode)
+				assert.Empty(t, resp.Header.Get(idemserver.ReplayedHeader), "operation %d was answered with another's outcome", i)
+				require.NoError(t, resp.Body.Close())
+			}
+			want := int32(2)
+			if tt.refused {
+				want = 1
+			}
+			assert.Equal(t, want, executions.Load())
+		})
+	}
 }

@@ -126,8 +126,10 @@ func WithStructuredKey() Option {
 // WithKeyGenerator sets the function that makes new idempotency keys
 // (default: a UUIDv7 string). Keys must be unique per operation; an error
 // stops the request before anything is sent, and so does a key that is
-// empty or holds a byte outside printable ASCII. A nil function restores
-// the default.
+// empty, holds a byte outside printable ASCII, or, unless
+// [WithStructuredKey], begins or ends with a space or begins with a double
+// quote (the server would read another key). The same holds for the keys
+// a [KeyStore] returns. A nil function restores the default.
 //
 // The default reads the random bits of 64 keys from crypto/rand at a time,
 // so those of up to 63 keys to come are in the Transport's memory. A

@@ -273,7 +273,7 @@ func (c *call) assignKey() error {
 			} else if key, err = cfg.newKey(); err == nil {
 				// Checked before a KeyStore records it: an empty key would
 				// send the request unkeyed, and so unretried, in silence.
-				err = checkKey(key)
+				err = checkKey(key, cfg.structuredKey)
 			}
 			if err != nil {
 				return err
@@ -284,7 +284,7 @@ func (c *call) assignKey() error {
 				return err
 			}
 			// A KeyStore of the caller's may return any string.
-			if err = checkKey(key); err != nil {
+			if err = checkKey(key, cfg.structuredKey); err != nil {
 				return err
 			}
 			c.operation, c.pending = op, true

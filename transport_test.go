@@ -169,6 +169,12 @@ func TestBadKeySendsNothing(t *testing.T) {
 			opts: []Option{WithKeyGenerator(func() (string, error) { return "", nil })}},
 		{name: "empty key from the KeyStore", operation: true,
 			opts: []Option{WithKeyStore(&failingStore{})}},
+		{name: "generated key ending in a space",
+			opts: []Option{WithKeyGenerator(func() (string, error) { return "k ", nil })}},
+		{name: "generated key starting with a space",
+			opts: []Option{WithKeyGenerator(func() (string, error) { return " k", nil })}},
+		{name: "generated bare key in double quotes",
+			opts: []Option{WithKeyGenerator(func() (string, error) { return `"k"`, nil })}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -247,3 +247,35 @@ func TestRequestBodyHugeLimit(t *testing.T) {
 		})
 	}
 }
+
+// emptyReadFails is a body that fails a read into an empty buffer: a
+// connection's body answers one with 0 and no error, so a reader that
+// makes one would make it again, forever, spinning on the connection.
+type emptyReadFails struct {
+	io.Reader
+	empty bool
+}
+
+func (r *emptyReadFails) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		r.empty = true
+		return 0, errors.New("read into an empty buffer")
+	}
+	return r.Reader.Read(p)
+}
+
+// A request may announce a body of the largest length net/http accepts,
+// math.MaxInt64. Under a limit of math.MaxInt64, "no limit", no body can
+// be that long: it is refused as too large rather than read into a buffer
+// sized by an overflowed length.
+func TestRequestBodyAnnouncedAtLargestLength(t *testing.T) {
+	h := &countingHandler{}
+	mw := Middleware(nil, WithMaxBodyBytes(math.MaxInt64))(h)
+	r := newRequest(http.MethodPost, "/x", "k", "")
+	body := &emptyReadFails{Reader: strings.NewReader("abc")}
+	r.Body, r.ContentLength = io.NopCloser(body), math.MaxInt64
+	w := serve(mw, r)
+	decodeProblem(t, w, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge)
+	assert.False(t, body.empty, "the body was read into an empty buffer")
+	assert.Zero(t, h.calls.Load())
+}

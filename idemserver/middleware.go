@@ -682,13 +682,14 @@ func readBody(body io.Reader, contentLength, max int64, buf []byte) ([]byte, err
 	if body == nil || body == http.NoBody {
 		return nil, nil
 	}
+	// max+1 and contentLength+1, here and in growBody, must not overflow
+	// for a limit of "no limit" (math.MaxInt64) and a body announced as
+	// long as net/http allows (math.MaxInt64 too): no body is that long,
+	// so one byte less changes nothing else.
+	max = min(max, math.MaxInt64-1)
 	if contentLength > max {
 		return nil, errBodyTooLarge
 	}
-	// max+1, here and in growBody, must not overflow for a limit of "no
-	// limit" (math.MaxInt64); no body is that long, so one byte less
-	// changes nothing else.
-	max = min(max, math.MaxInt64-1)
 	expect := max + 1
 	if contentLength >= 0 {
 		expect = contentLength + 1

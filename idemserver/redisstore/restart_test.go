@@ -45,6 +45,16 @@ type redisServer struct {
 // synced on every write if aof is set, and without persistence otherwise.
 // It runs only beside the shared test server: without one, t is skipped.
 func startRedis(t *testing.T, aof bool) *redisServer {
+	if aof {
+		return startRedisWith(t, "--appendonly", "yes", "--appendfsync", "always")
+	}
+	return startRedisWith(t, "--appendonly", "no")
+}
+
+// startRedisWith starts a redis-server for t with the options extra, and
+// without snapshots. It runs only beside the shared test server: without
+// one, t is skipped.
+func startRedisWith(t *testing.T, extra ...string) *redisServer {
 	redisAddr(t)
 	bin := os.Getenv(serverEnv)
 	if bin == "" {
@@ -54,11 +64,7 @@ func startRedis(t *testing.T, aof bool) *redisServer {
 	}
 	s := &redisServer{t: t, bin: bin, dir: t.TempDir()}
 	s.args = []string{"--bind", "127.0.0.1", "--dir", s.dir, "--save", "", "--logfile", filepath.Join(s.dir, "log")}
-	if aof {
-		s.args = append(s.args, "--appendonly", "yes", "--appendfsync", "always")
-	} else {
-		s.args = append(s.args, "--appendonly", "no")
-	}
+	s.args = append(s.args, extra...)
 	t.Cleanup(s.kill)
 	// A port free now may be taken before the server binds it.
 	for range 3 {

@@ -7,6 +7,7 @@ import (
 	"math"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 
@@ -159,7 +160,7 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 	}
 	a := newClaimArgs(s.prefix, c, token)
 	if takeOver {
-		return s.replace(ctx, string(a.key), a.value, a.ttl, c.Now, token, expiredToken)
+		return s.replace(ctx, a.key, a.value, a.ttl, c.Now, token, expiredToken)
 	}
 	cmd := redis.NewStringCmd(ctx, a.args[:]...)
 	err := s.client.Process(ctx, cmd)
@@ -175,7 +176,7 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 		// finds itself: read the record, a second round trip only while
 		// Redis refuses writes.
 		full = err
-		cmd = s.client.Get(ctx, string(a.key))
+		cmd = s.client.Get(ctx, a.key)
 		if errors.Is(cmd.Err(), redis.Nil) {
 			return false, record{}, fmt.Errorf("redisstore: claim: %w", err)
 		}
@@ -201,7 +202,7 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 		if full != nil {
 			return false, record{}, fmt.Errorf("redisstore: claim of a key whose record expired: %w", full)
 		}
-		return s.replace(ctx, string(a.key), a.value, a.ttl, c.Now, token, "")
+		return s.replace(ctx, a.key, a.value, a.ttl, c.Now, token, "")
 	}
 	return false, rec, nil
 }
@@ -210,7 +211,11 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 // allocation: the command's arguments point into it, rather than each
 // being boxed, or the key and the value made, on their own.
 type claimArgs struct {
-	key    []byte // the record's key; in keyBuf when short
+	// key is the record's key, over the bytes of keyBuf when short. It is
+	// a string, passed by pointer, because go-redis reads a command's
+	// first key to route it (Redis Cluster sends it to the node serving
+	// the key's slot), and reads a string or a *string as it is sent.
+	key    string
 	value  []byte // the new record; in buf when its token is short
 	ttl    int64  // the native expiry, in milliseconds
 	args   [7]any
@@ -220,21 +225,18 @@ type claimArgs struct {
 
 func newClaimArgs(prefix string, c idemserver.Claim, token string) *claimArgs {
 	a := &claimArgs{ttl: ttlMillis(withMargin(c.LeaseExpires.Sub(c.Now)))}
-	a.key = appendRecordKey(a.keyBuf[:0], prefix, c.Key)
+	// The key's bytes are never written again once appended, so a string
+	// may share them.
+	key := appendRecordKey(a.keyBuf[:0], prefix, c.Key)
+	a.key = unsafe.String(unsafe.SliceData(key), len(key))
 	a.value = appendInProgress(a.buf[:0], c.Fingerprint, c.LeaseExpires, token)
-	a.args = [...]any{"set", (*claimKey)(a), (*claimValue)(a), "nx", "get", "px", &a.ttl}
+	a.args = [...]any{"set", &a.key, (*claimValue)(a), "nx", "get", "px", &a.ttl}
 	return a
 }
 
-// claimKey and claimValue are views of a claimArgs that go-redis sends
-// through their MarshalBinary: the key and the value of the SET.
-type (
-	claimKey   claimArgs
-	claimValue claimArgs
-)
-
-// MarshalBinary returns the record's key.
-func (a *claimKey) MarshalBinary() ([]byte, error) { return a.key, nil }
+// claimValue is a view of a claimArgs that go-redis sends through its
+// MarshalBinary: the value of the SET.
+type claimValue claimArgs
 
 // MarshalBinary returns the new record.
 func (a *claimValue) MarshalBinary() ([]byte, error) { return a.value, nil }

@@ -4,6 +4,7 @@
 package keylog
 
 import (
+	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -15,11 +16,16 @@ import (
 const (
 	// Magic opens every key store file.
 	Magic = "IDEMKEYS"
-	// Version is the format version this package writes and reads.
-	Version = 1
-	// HeaderSize is the size of the file header: magic, version, flags and
-	// a CRC-32C of the preceding 12 bytes.
-	HeaderSize = 16
+	// Version is the format version this package writes. It also reads
+	// version 1, whose frames' checksums have no salt.
+	Version = 2
+	// HeaderSize is the size of the file header this package writes:
+	// magic, version, flags, salt and a CRC-32C of the preceding 20 bytes.
+	HeaderSize = 24
+	// headerSizeV1 is the size of a version 1 header, which has no salt.
+	headerSizeV1 = 16
+	// SaltSize is the size of a file's salt.
+	SaltSize = 8
 	// FrameHeaderSize is the size of a frame header: body length, CRC-32C
 	// of the body and CRC-32C of the first 8 header bytes.
 	FrameHeaderSize = 12
@@ -59,6 +65,8 @@ func checksum(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 var (
 	// ErrNotKeyLog means the file does not start with [Magic].
 	ErrNotKeyLog = errors.New("not an idemhttp key store")
+	// ErrShortHeader means the file ends inside its header.
+	ErrShortHeader = errors.New("file shorter than its header")
 	// ErrHeaderChecksum means the file header fails its checksum.
 	ErrHeaderChecksum = errors.New("file header checksum mismatch")
 )
@@ -73,53 +81,127 @@ type VersionError struct {
 
 // Error implements the error interface.
 func (e *VersionError) Error() string {
-	if e.Version == Version {
-		return fmt.Sprintf("unsupported format flags %#04x (this build reads version %d without flags)", e.Flags, Version)
+	if e.Version == 1 || e.Version == Version {
+		return fmt.Sprintf("unsupported format flags %#04x (this build reads versions 1 and %d without flags)", e.Flags, Version)
 	}
-	return fmt.Sprintf("unsupported format version %d (this build reads version %d)", e.Version, Version)
+	return fmt.Sprintf("unsupported format version %d (this build reads versions 1 and %d)", e.Version, Version)
 }
 
-// AppendHeader appends the file header to b.
-func AppendHeader(b []byte) []byte {
+// A Header is what a file's header says about the frames that follow it:
+// the format version and, from version 2 on, the salt their checksums
+// start from.
+//
+// The salt is random, made when the file is, and never leaves the file.
+// Operation ids and keys are opaque bytes, so a record can hold bytes laid
+// out as a frame; when recovery searches damaged bytes for the next frame,
+// such a frame would be taken for a real one if its checksums were
+// computable without the file. Checksums continued from the salt are not:
+// a frame made outside the file fails them.
+type Header struct {
+	version uint16
+	salt    [SaltSize]byte
+	seed    uint32 // the CRC-32C of the salt, from which frame checksums continue
+}
+
+// NewHeader returns the header of a new file: the current version, with
+// a salt from crypto/rand.
+func NewHeader() (Header, error) {
+	h := Header{version: Version}
+	if _, err := rand.Read(h.salt[:]); err != nil {
+		return Header{}, fmt.Errorf("make the file's salt: %w", err)
+	}
+	h.seed = checksum(h.salt[:])
+	return h, nil
+}
+
+// V1Header returns the header of a version 1 file, whose checksums have
+// no salt.
+func V1Header() Header { return Header{version: 1} }
+
+// Version returns the format version of the file.
+func (h Header) Version() uint16 { return h.version }
+
+// Size returns the size of the header in the file.
+func (h Header) Size() int64 {
+	if h.version == 1 {
+		return headerSizeV1
+	}
+	return HeaderSize
+}
+
+// Append appends the header to b.
+func (h Header) Append(b []byte) []byte {
 	start := len(b)
 	b = append(b, Magic...)
-	b = binary.LittleEndian.AppendUint16(b, Version)
+	b = binary.LittleEndian.AppendUint16(b, h.version)
 	b = binary.LittleEndian.AppendUint16(b, 0) // flags
+	if h.version != 1 {
+		b = append(b, h.salt[:]...)
+	}
 	return binary.LittleEndian.AppendUint32(b, checksum(b[start:]))
 }
 
-// CheckHeader validates a file header of [HeaderSize] bytes.
-func CheckHeader(h []byte) error {
-	if len(h) < HeaderSize || string(h[:len(Magic)]) != Magic {
-		return ErrNotKeyLog
+// ReadHeader parses the header at the start of b, the first bytes of a
+// file (at least [HeaderSize] of them, unless the file is shorter). A
+// version this package does not know is taken to lay out its first 24
+// bytes as version 2 does, so that its header's checksum can be told from
+// damage; once that checks, it is refused with a [*VersionError].
+func ReadHeader(b []byte) (Header, error) {
+	if len(b) < len(Magic) || string(b[:len(Magic)]) != Magic {
+		return Header{}, ErrNotKeyLog
 	}
-	if checksum(h[:12]) != binary.LittleEndian.Uint32(h[12:]) {
-		return ErrHeaderChecksum
+	if len(b) < len(Magic)+4 {
+		return Header{}, ErrShortHeader
 	}
-	v, flags := binary.LittleEndian.Uint16(h[8:]), binary.LittleEndian.Uint16(h[10:])
-	if v != Version || flags != 0 {
-		return &VersionError{Version: v, Flags: flags}
+	h := Header{version: binary.LittleEndian.Uint16(b[8:])}
+	n := int(h.Size())
+	if len(b) < n {
+		return Header{}, ErrShortHeader
 	}
-	return nil
+	if checksum(b[:n-4]) != binary.LittleEndian.Uint32(b[n-4:]) {
+		return Header{}, ErrHeaderChecksum
+	}
+	flags := binary.LittleEndian.Uint16(b[10:])
+	if (h.version != 1 && h.version != Version) || flags != 0 {
+		return Header{}, &VersionError{Version: h.version, Flags: flags}
+	}
+	if h.version != 1 {
+		copy(h.salt[:], b[12:])
+		h.seed = checksum(h.salt[:])
+	}
+	return h, nil
 }
 
-// IsUnfinishedHeader reports whether b, a whole file of at most a
-// header's length that is not a complete header, is what a crash while
+// IsUnfinishedHeader reports whether b, a whole file of at most
+// [HeaderSize] bytes that is not a complete header, is what a crash while
 // creating the file can leave behind: the start of a header, followed by
 // nothing or by zero bytes (a file system may show an extent that was
-// allocated but never written as zeros). Nothing was ever stored in such a
-// file: records are appended only after the header is durable.
+// allocated but never written as zeros). The salt is random, so any bytes
+// may stand where it goes. Nothing was ever stored in such a file: records
+// are appended only after the header is durable.
 func IsUnfinishedHeader(b []byte) bool {
-	full := AppendHeader(nil)
-	if len(b) > len(full) {
+	if len(b) > HeaderSize {
 		return false
 	}
+	if _, err := ReadHeader(b); err == nil {
+		return false // complete
+	}
+	v1 := V1Header().Append(nil)
+	if len(b) <= len(v1) && prefixThenZeros(b, v1) {
+		return true
+	}
+	// The part of a current header that does not vary: magic, version
+	// and flags. The salt and the checksum after it may be anything.
+	fixed := Header{version: Version}.Append(nil)[:len(Magic)+4]
+	return prefixThenZeros(b[:min(len(b), len(fixed))], fixed)
+}
+
+// prefixThenZeros reports whether b is a prefix of full followed by zero
+// bytes.
+func prefixThenZeros(b, full []byte) bool {
 	i := 0
 	for i < len(b) && b[i] == full[i] {
 		i++
-	}
-	if i == len(full) {
-		return false // complete
 	}
 	for _, c := range b[i:] {
 		if c != 0 {
@@ -155,30 +237,34 @@ func appendOpKey(b []byte, op, key string) []byte {
 }
 
 // PutFrameHeader fills frame[:FrameHeaderSize] for the body that follows it
-// in frame.
-func PutFrameHeader(frame []byte) {
+// in frame, with checksums continued from the file's salt.
+func (h Header) PutFrameHeader(frame []byte) {
 	body := frame[FrameHeaderSize:]
 	binary.LittleEndian.PutUint32(frame[0:], uint32(len(body)))
-	binary.LittleEndian.PutUint32(frame[4:], checksum(body))
-	binary.LittleEndian.PutUint32(frame[8:], checksum(frame[:8]))
+	binary.LittleEndian.PutUint32(frame[4:], h.checksum(body))
+	binary.LittleEndian.PutUint32(frame[8:], h.checksum(frame[:8]))
 }
 
 // ParseFrameHeader validates a frame header and returns the body length and
 // checksum it announces. ok is false when the header fails its own checksum
 // or announces an impossible length.
-func ParseFrameHeader(h []byte) (bodyLen int, bodyCRC uint32, ok bool) {
-	if len(h) < FrameHeaderSize || checksum(h[:8]) != binary.LittleEndian.Uint32(h[8:]) {
+func (h Header) ParseFrameHeader(fh []byte) (bodyLen int, bodyCRC uint32, ok bool) {
+	if len(fh) < FrameHeaderSize || h.checksum(fh[:8]) != binary.LittleEndian.Uint32(fh[8:]) {
 		return 0, 0, false
 	}
-	n := binary.LittleEndian.Uint32(h[0:])
+	n := binary.LittleEndian.Uint32(fh[0:])
 	if n == 0 || n > MaxFrameBody {
 		return 0, 0, false
 	}
-	return int(n), binary.LittleEndian.Uint32(h[4:]), true
+	return int(n), binary.LittleEndian.Uint32(fh[4:]), true
 }
 
 // BodyOK reports whether body matches the checksum from its frame header.
-func BodyOK(body []byte, crc uint32) bool { return checksum(body) == crc }
+func (h Header) BodyOK(body []byte, crc uint32) bool { return h.checksum(body) == crc }
+
+// checksum is the CRC-32C of the salt followed by b: a frame's checksum.
+// Version 1 has no salt.
+func (h Header) checksum(b []byte) uint32 { return crc32.Update(h.seed, castagnoli, b) }
 
 // DecodeRecords appends the records of a frame body to recs. If any record
 // is malformed it returns recs unchanged and an error: a frame applies

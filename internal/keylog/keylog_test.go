@@ -11,13 +11,21 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-func frameOf(records ...[]byte) []byte {
+// frameOf returns a frame of a file with header h, holding records.
+func frameOf(h Header, records ...[]byte) []byte {
 	f := make([]byte, FrameHeaderSize)
 	for _, r := range records {
 		f = append(f, r...)
 	}
-	PutFrameHeader(f)
+	h.PutFrameHeader(f)
 	return f
+}
+
+func newHeader(t testing.TB) Header {
+	t.Helper()
+	h, err := NewHeader()
+	require.NoError(t, err)
+	return h
 }
 
 func TestRecordsRoundTrip(t *testing.T) {
@@ -73,35 +81,80 @@ func TestDecodeRecordsRejects(t *testing.T) {
 }
 
 func TestHeader(t *testing.T) {
-	h := AppendHeader(nil)
-	require.Len(t, h, HeaderSize)
-	assert.NoError(t, CheckHeader(h))
-	for n := range HeaderSize {
-		assert.True(t, IsUnfinishedHeader(h[:n]), "prefix %d", n)
-		zeros := append(append([]byte(nil), h[:n]...), make([]byte, HeaderSize-n)...)
-		assert.True(t, IsUnfinishedHeader(zeros), "prefix %d, then zeros", n)
+	hv := newHeader(t)
+	for _, tt := range []struct {
+		name string
+		h    Header
+		size int
+	}{
+		{"current", hv, HeaderSize},
+		{"version 1", V1Header(), 16},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			b := tt.h.Append(nil)
+			require.Len(t, b, tt.size)
+			assert.Equal(t, int64(tt.size), tt.h.Size())
+			got, err := ReadHeader(b)
+			require.NoError(t, err)
+			assert.Equal(t, tt.h, got)
+			got, err = ReadHeader(append(b, "frames"...))
+			require.NoError(t, err, "the bytes after the header are not the header's")
+			assert.Equal(t, tt.h, got)
+			for n := range len(b) {
+				assert.True(t, IsUnfinishedHeader(b[:n]), "prefix %d", n)
+				zeros := append(append([]byte(nil), b[:n]...), make([]byte, len(b)-n)...)
+				assert.True(t, IsUnfinishedHeader(zeros), "prefix %d, then zeros", n)
+				_, err := ReadHeader(b[:n])
+				assert.Error(t, err, "prefix %d", n)
+			}
+			assert.False(t, IsUnfinishedHeader(b), "a complete header")
+			bad := append([]byte(nil), b...)
+			bad[0] = 'X'
+			assert.ErrorIs(t, headerErr(ReadHeader(bad)), ErrNotKeyLog)
+			bad = append([]byte(nil), b...)
+			bad[10] = 1
+			assert.ErrorIs(t, headerErr(ReadHeader(bad)), ErrHeaderChecksum)
+			bad = append([]byte(nil), b...)
+			bad[len(b)-1] ^= 1
+			assert.ErrorIs(t, headerErr(ReadHeader(bad)), ErrHeaderChecksum)
+		})
 	}
-	assert.False(t, IsUnfinishedHeader(h), "a complete header")
 	assert.False(t, IsUnfinishedHeader([]byte("IDEMX")))
-	assert.False(t, IsUnfinishedHeader(append(h[:4:4], 0, 0, 'x')), "a byte after the zeros")
+	assert.False(t, IsUnfinishedHeader([]byte("IDEM\x00\x00x")), "a byte after the zeros")
+	assert.False(t, IsUnfinishedHeader(append(V1Header().Append(nil), 0, 0)), "a complete header, then a torn frame")
 	assert.False(t, IsUnfinishedHeader(make([]byte, HeaderSize+1)), "longer than a header")
-	bad := append([]byte(nil), h...)
-	bad[0] = 'X'
-	assert.ErrorIs(t, CheckHeader(bad), ErrNotKeyLog)
-	bad = append([]byte(nil), h...)
-	bad[10] = 1
-	assert.ErrorIs(t, CheckHeader(bad), ErrHeaderChecksum)
+	assert.NotEqual(t, hv, newHeader(t), "each file has a salt of its own")
+}
+
+// headerErr returns the error of a ReadHeader.
+func headerErr(_ Header, err error) error { return err }
+
+// TestFrameChecksumsHaveTheSalt checks that a frame made with one file's
+// header, or with none, is not a frame of another file.
+func TestFrameChecksumsHaveTheSalt(t *testing.T) {
+	a, b := newHeader(t), newHeader(t)
+	f := frameOf(a, AppendAcquire(nil, "op", "key", 1))
+	n, crc, ok := a.ParseFrameHeader(f)
+	require.True(t, ok)
+	assert.True(t, a.BodyOK(f[FrameHeaderSize:FrameHeaderSize+n], crc))
+	_, _, ok = b.ParseFrameHeader(f)
+	assert.False(t, ok, "another file's frame")
+	_, _, ok = V1Header().ParseFrameHeader(f)
+	assert.False(t, ok, "a salted frame read without the salt")
+	_, _, ok = a.ParseFrameHeader(frameOf(V1Header(), AppendAcquire(nil, "op", "key", 1)))
+	assert.False(t, ok, "a frame made without the salt")
 }
 
 func TestScannerResyncsPastDamage(t *testing.T) {
-	f1 := frameOf(AppendAcquire(nil, "a", "ka", 1))
-	f2 := frameOf(AppendAcquire(nil, "b", "kb", 2))
-	f3 := frameOf(AppendRelease(nil, "a", "ka"))
-	file := append(append(append(AppendHeader(nil), f1...), f2...), f3...)
+	h := newHeader(t)
+	f1 := frameOf(h, AppendAcquire(nil, "a", "ka", 1))
+	f2 := frameOf(h, AppendAcquire(nil, "b", "kb", 2))
+	f3 := frameOf(h, AppendRelease(nil, "a", "ka"))
+	file := append(append(append(h.Append(nil), f1...), f2...), f3...)
 	f2at := int64(HeaderSize + len(f1))
 	file[f2at+FrameHeaderSize+3] ^= 1 // damage f2's body
 
-	sc := NewScanner(bytes.NewReader(file), int64(len(file)))
+	sc := NewScanner(bytes.NewReader(file), int64(len(file)), h)
 	off, _, err := sc.Next()
 	require.NoError(t, err)
 	assert.Equal(t, int64(HeaderSize), off)
@@ -124,14 +177,21 @@ func TestScannerResyncsPastDamage(t *testing.T) {
 // skipping damage the way salvage does: no panic, and every step moves
 // forward, so no hang.
 func FuzzScan(f *testing.F) {
-	file := AppendHeader(nil)
-	file = append(file, frameOf(AppendAcquire(nil, "op", "key", 7), AppendRelease(nil, "op", "key"))...)
-	file = append(file, frameOf(AppendAcquire(nil, "x", "y", 8))...)
+	h := newHeader(f)
+	file := h.Append(nil)
+	file = append(file, frameOf(h, AppendAcquire(nil, "op", "key", 7), AppendRelease(nil, "op", "key"))...)
+	file = append(file, frameOf(h, AppendAcquire(nil, "x", "y", 8))...)
 	f.Add(file)
 	f.Add(file[:len(file)-3])
-	f.Add(AppendHeader(nil))
+	f.Add(h.Append(nil))
+	v1 := V1Header()
+	f.Add(append(v1.Append(nil), frameOf(v1, AppendAcquire(nil, "op", "key", 7))...))
 	f.Fuzz(func(t *testing.T, data []byte) {
-		sc := NewScanner(bytes.NewReader(data), int64(len(data)))
+		h, err := ReadHeader(data)
+		if err != nil {
+			h = V1Header()
+		}
+		sc := NewScanner(bytes.NewReader(data), int64(len(data)), h)
 		last := int64(-1)
 		for {
 			off, body, err := sc.Next()

@@ -29,6 +29,7 @@ func (e *BadFrame) Torn() bool { return e.Next < 0 }
 
 // A Scanner reads the frames of a key store file in order.
 type Scanner struct {
+	h    Header
 	r    io.ReaderAt
 	size int64
 	off  int64
@@ -37,11 +38,11 @@ type Scanner struct {
 	body []byte
 }
 
-// NewScanner returns a Scanner over the first size bytes of r, starting at
-// the first frame, just after the file header.
-func NewScanner(r io.ReaderAt, size int64) *Scanner {
-	s := &Scanner{r: r, size: size}
-	s.Reset(HeaderSize)
+// NewScanner returns a Scanner over the first size bytes of r, a file
+// whose header is h, starting at the first frame, just after the header.
+func NewScanner(r io.ReaderAt, size int64, h Header) *Scanner {
+	s := &Scanner{h: h, r: r, size: size}
+	s.Reset(h.Size())
 	return s
 }
 
@@ -72,7 +73,7 @@ func (s *Scanner) Next() (off int64, body []byte, err error) {
 	if _, err := io.ReadFull(s.br, s.hdr[:]); err != nil {
 		return off, nil, readErr(err)
 	}
-	n, crc, ok := ParseFrameHeader(s.hdr[:])
+	n, crc, ok := s.h.ParseFrameHeader(s.hdr[:])
 	if !ok {
 		return off, nil, s.bad(off, "frame header checksum mismatch")
 	}
@@ -89,7 +90,7 @@ func (s *Scanner) Next() (off int64, body []byte, err error) {
 	if _, err := io.ReadFull(s.br, body); err != nil {
 		return off, nil, readErr(err)
 	}
-	if !BodyOK(body, crc) {
+	if !s.h.BodyOK(body, crc) {
 		// The header checks out, so the damage ends where its length says:
 		// the search for the next frame starts there, never inside the
 		// body, whose records' opaque bytes can hold a frame.
@@ -143,7 +144,7 @@ func (s *Scanner) Resync(from int64) (int64, error) {
 			return 0, err
 		}
 		for i := 0; i+FrameHeaderSize <= n && i < window; i++ {
-			bl, crc, ok := ParseFrameHeader(buf[i:])
+			bl, crc, ok := s.h.ParseFrameHeader(buf[i:])
 			at := base + int64(i)
 			if !ok || int64(bl) > s.size-at-FrameHeaderSize {
 				continue
@@ -154,7 +155,7 @@ func (s *Scanner) Resync(from int64) (int64, error) {
 			if _, err := s.r.ReadAt(body[:bl], at+FrameHeaderSize); err != nil {
 				return 0, err
 			}
-			if BodyOK(body[:bl], crc) {
+			if s.h.BodyOK(body[:bl], crc) {
 				return at, nil
 			}
 		}
