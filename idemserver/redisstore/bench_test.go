@@ -237,33 +237,12 @@ func serveKey(b *testing.B, h http.Handler, key benchKey) {
 func measure(b *testing.B, rt *counter, client *redis.Client, c int, do func(i int)) {
 	warm := 4 * c
 	lat := make([][]time.Duration, c)
-	run := func(from, to int, timed bool) {
-		var next atomic.Int64
-		next.Store(int64(from))
-		var wg sync.WaitGroup
-		for g := range c {
-			wg.Go(func() {
-				for {
-					i := int(next.Add(1)) - 1
-					if i >= to {
-						return
-					}
-					start := time.Now()
-					do(i)
-					if timed {
-						lat[g] = append(lat[g], time.Since(start))
-					}
-				}
-			})
-		}
-		wg.Wait()
-	}
-	run(0, warm, false)
+	runCalls(c, 0, warm, nil, do)
 	server := serverCPU(b, client)
 	rt.take()
 	cpu := cputime.Start()
 	b.ResetTimer()
-	run(warm, warm+b.N, true)
+	runCalls(c, warm, warm+b.N, lat, do)
 	b.StopTimer()
 	cpu.Report(b, b.N)
 	rts := rt.take()
@@ -290,4 +269,29 @@ func serverCPU(b *testing.B, client *redis.Client) time.Duration {
 		}
 	}
 	return total
+}
+
+// runCalls calls do(i) for i from from to to-1 on c goroutines, and
+// appends each call's latency to lat[g] of the goroutine g that made it,
+// unless lat is nil.
+func runCalls(c, from, to int, lat [][]time.Duration, do func(i int)) {
+	var next atomic.Int64
+	next.Store(int64(from))
+	var wg sync.WaitGroup
+	for g := range c {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= to {
+					return
+				}
+				start := time.Now()
+				do(i)
+				if lat != nil {
+					lat[g] = append(lat[g], time.Since(start))
+				}
+			}
+		})
+	}
+	wg.Wait()
 }
