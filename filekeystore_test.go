@@ -394,6 +394,8 @@ func TestKeyStoreChild(t *testing.T) {
 		}
 	case "crash":
 		crashChild(path)
+	case "upgrade":
+		upgradeChild(path)
 	case "restart-a", "restart-b":
 		restartChild(mode, path)
 	default:
