@@ -171,7 +171,8 @@ type queued struct {
 // damage anywhere else fails with a [*CorruptError] unless [WithSalvage] is
 // given. A store that another FileKeyStore has open fails with
 // [ErrStoreLocked]. A file written by a release that used format version 1
-// is rewritten in the current version, which those releases cannot open.
+// is rewritten in the current version, which those releases cannot open;
+// one that cannot be replaced keeps version 1 (see docs/keystore-format.md).
 func OpenFileKeyStore(path string, opts ...FileOption) (*FileKeyStore, error) {
 	cfg := fileConfig{compactMinSize: compactMinSize, now: time.Now}
 	for _, o := range opts {
@@ -314,19 +315,37 @@ func (s *FileKeyStore) load() error {
 		break
 	}
 	s.countLiveBytes()
-	if len(s.recovery.Skipped) > 0 || s.hdr.Version() != keylog.Version {
+	switch {
+	case s.hdr.Version() != keylog.Version:
+		return s.upgrade()
+	case len(s.recovery.Skipped) > 0:
 		// Rewrite now, so the damage is gone before anything is appended
-		// after it and the next strict open succeeds; and a file of an
-		// earlier version, whose frames' checksums have no salt, is
-		// rewritten in this one before anything is appended to it.
-		if s.hdr.Version() != keylog.Version {
-			if s.hdr, err = keylog.NewHeader(); err != nil {
-				return fmt.Errorf("idemhttp: rewrite key store %s: %w", s.path, err)
-			}
-		}
+		// after it and the next strict open succeeds.
 		return s.rewrite(s.snapshotLocked())
 	}
 	return nil
+}
+
+// upgrade rewrites a file of an earlier version, whose frames' checksums
+// have no salt, in this one before anything is appended to it. A file that
+// cannot be replaced (its directory is read-only, it is a bind mount, or
+// the platform replaces no open file) keeps its version, as the release
+// that wrote it did, and the next open tries again: refusing to open it
+// would take its pending keys away. A salvaged file is rewritten or not
+// opened, since its damage must not stay.
+func (s *FileKeyStore) upgrade() error {
+	old, f := s.hdr, s.f
+	var err error
+	if s.hdr, err = keylog.NewHeader(); err != nil {
+		return fmt.Errorf("idemhttp: rewrite key store %s: %w", s.path, err)
+	}
+	err = s.rewrite(s.snapshotLocked())
+	// rewrite moves s.f to the new file once it has replaced the old one.
+	if err != nil && s.f == f && len(s.recovery.Skipped) == 0 {
+		s.hdr = old // not replaced: the file is as it was
+		return nil
+	}
+	return err
 }
 
 // create writes the header of a new (or torn, header-less) store file.

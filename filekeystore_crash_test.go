@@ -16,6 +16,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/internal/keylog"
 )
 
 // crashIterationsEnv raises (or lowers) the number of kills in
@@ -79,15 +81,7 @@ func TestFileKeyStoreSurvivesKill(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs child processes")
 	}
-	iterations := 30
-	if v := os.Getenv(crashIterationsEnv); v != "" {
-		n, err := strconv.Atoi(v)
-		require.NoError(t, err, crashIterationsEnv)
-		iterations = n
-	}
-	seed := uint64(time.Now().UnixNano())
-	t.Logf("seed %d", seed)
-	rng := rand.New(rand.NewPCG(seed, 0))
+	iterations, seed, rng := crashIterations(t, 30)
 	path := filepath.Join(t.TempDir(), "keys")
 	model := crashModel{present: map[string]bool{}, absent: map[string]bool{}}
 	for i := range iterations {
@@ -99,6 +93,21 @@ func TestFileKeyStoreSurvivesKill(t *testing.T) {
 			t.Fatalf("iteration %d (seed %d, kill after %d acknowledgements)", i, seed, killAfter)
 		}
 	}
+}
+
+// crashIterations returns how many kills a crash test makes (def, unless
+// crashIterationsEnv says otherwise) and the random source that chooses
+// them, with its seed, which it logs.
+func crashIterations(t *testing.T, def int) (int, uint64, *rand.Rand) {
+	t.Helper()
+	if v := os.Getenv(crashIterationsEnv); v != "" {
+		n, err := strconv.Atoi(v)
+		require.NoError(t, err, crashIterationsEnv)
+		def = n
+	}
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	return def, seed, rand.New(rand.NewPCG(seed, 0))
 }
 
 // runCrashChild starts a crash child, kills it with SIGKILL after
@@ -222,4 +231,168 @@ func parseCrashOp(t *testing.T, prefix, op string) (worker, n int) {
 func crashN(t *testing.T, prefix, op string) int {
 	_, n := parseCrashOp(t, prefix, op)
 	return n
+}
+
+// upgradeChild opens the store at path, a file of format version 1 that
+// the open rewrites in the current version, prints "opened", and then
+// records keys until it is killed: operation new-n with key k-new-n for
+// n = 0, 1, 2, ..., printing "A new-n" once Acquire returned nil.
+func upgradeChild(path string) {
+	s, err := OpenFileKeyStore(path)
+	if err != nil {
+		fmt.Println("error:", err)
+		return
+	}
+	fmt.Println("opened")
+	deadline := time.Now().Add(time.Minute) // in case the parent is gone
+	for n := 0; time.Now().Before(deadline); n++ {
+		op := fmt.Sprintf("new-%d", n)
+		if _, err := s.Acquire(context.Background(), op, "k-"+op); err != nil {
+			fmt.Println("error:", err)
+			return
+		}
+		fmt.Println("A", op)
+	}
+}
+
+// largeVersion1File returns a store file of format version 1 large enough
+// that rewriting it takes a while, and its pending keys.
+func largeVersion1File() ([]byte, map[string]string) {
+	data := keylog.V1Header().Append(nil)
+	pending := map[string]string{}
+	var body []byte
+	for i := range 30000 {
+		op, key := fmt.Sprintf("order-%06d", i), fmt.Sprintf("0190b2a4-7c1e-7b3a-9c1d-%012d", i)
+		body = keylog.AppendAcquire(body, op, key, int64(i))
+		if i%3 == 0 {
+			body = keylog.AppendRelease(body, op, key)
+		} else {
+			pending[op] = key
+		}
+		if len(body) > 64<<10 || i == 29999 {
+			data = append(data, frameOf(body)...)
+			body = body[:0]
+		}
+	}
+	return data, pending
+}
+
+// TestFileKeyStoreUpgradeSurvivesKill kills a process while its open
+// rewrites a version 1 file in the current version, at a random moment of
+// the open or of the appends after it, and checks that the file still
+// opens with every key it held and every key acknowledged since, unchanged.
+func TestFileKeyStoreUpgradeSurvivesKill(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs child processes")
+	}
+	iterations, seed, rng := crashIterations(t, 20)
+	image, want := largeVersion1File()
+	dir := t.TempDir()
+
+	// Kills are spread over twice the time from a child's start to the
+	// end of its open.
+	p := filepath.Join(dir, "measure")
+	require.NoError(t, os.WriteFile(p, image, 0o600))
+	start := time.Now()
+	runUpgradeChild(t, p, -1)
+	span := 2 * time.Since(start)
+
+	states := map[string]int{}
+	for i := range iterations {
+		p := filepath.Join(dir, fmt.Sprint("keys-", i))
+		require.NoError(t, os.WriteFile(p, image, 0o600))
+		delay := time.Duration(rng.Int64N(int64(span)))
+		lines := runUpgradeChild(t, p, delay)
+		states[upgradeState(t, p)]++
+		checkAfterUpgradeCrash(t, p, lines, want)
+		if t.Failed() {
+			t.Fatalf("iteration %d (seed %d, kill after %v)", i, seed, delay)
+		}
+	}
+	t.Logf("files left by the kills: %v", states)
+}
+
+// runUpgradeChild starts an upgrade child on path, kills it with SIGKILL
+// after delay (or once it has opened the store, for a negative delay) and
+// returns every line it printed.
+func runUpgradeChild(t *testing.T, path string, delay time.Duration) []string {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestKeyStoreChild$", "-test.count=1")
+	cmd.Env = append(os.Environ(), childEnv+"=upgrade:"+path)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	var once sync.Once
+	kill := func() { once.Do(func() { assert.NoError(t, cmd.Process.Kill()) }) }
+	if delay >= 0 {
+		timer := time.AfterFunc(delay, kill)
+		defer timer.Stop()
+	}
+	var lines []string
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+		if strings.HasPrefix(sc.Text(), "error") {
+			t.Errorf("child: %s", sc.Text())
+			kill()
+		}
+		if sc.Text() == "opened" && delay < 0 {
+			kill()
+		}
+	}
+	kill()
+	require.Error(t, cmd.Wait(), "the child must die of SIGKILL; stderr: %s", stderr.String())
+	return lines
+}
+
+// upgradeState says what a killed upgrade child left at path: the file of
+// version 1 with or without a temporary file beside it, or the file of
+// the current version.
+func upgradeState(t *testing.T, path string) string {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	require.NoError(t, err)
+	h, err := keylog.ReadHeader(data)
+	require.NoError(t, err, "the file's header")
+	state := fmt.Sprint("version ", h.Version())
+	if _, err := os.Stat(path + ".compact"); err == nil {
+		state += " and a temporary file"
+	}
+	return state
+}
+
+// checkAfterUpgradeCrash opens the store a killed upgrade child left and
+// checks that it holds the keys of the version 1 file, every key the child
+// acknowledged, and at most one key more, which the child was recording.
+func checkAfterUpgradeCrash(t *testing.T, path string, lines []string, want map[string]string) {
+	t.Helper()
+	s, err := OpenFileKeyStore(path)
+	require.NoError(t, err, "a kill during the upgrade leaves a readable store")
+	defer func() { require.NoError(t, s.Close()) }()
+	pending := pendingMap(t, s)
+	acked := 0
+	for _, line := range lines {
+		if op, ok := strings.CutPrefix(line, "A "); ok {
+			assert.Equal(t, "k-"+op, pending[op], "acknowledged key of %s", op)
+			acked++
+		}
+	}
+	for op, key := range want {
+		if pending[op] != key {
+			assert.Equal(t, key, pending[op], "key of %s, pending in the version 1 file", op)
+		}
+	}
+	for op, key := range pending {
+		if _, ok := want[op]; ok {
+			continue
+		}
+		var n int
+		_, err := fmt.Sscanf(op, "new-%d", &n)
+		if assert.NoError(t, err, "operation %s invented", op) {
+			assert.LessOrEqual(t, n, acked, "operation %s never attempted", op)
+			assert.Equal(t, "k-"+op, key)
+		}
+	}
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -312,6 +313,57 @@ func TestFileKeyStoreRewritesVersion1(t *testing.T) {
 	s = reopen(t, s)
 	assert.Equal(t, map[string]string{"b": "kb", "d": "kd"}, pendingMap(t, s))
 	assert.Equal(t, FileRecovery{}, s.Recovery())
+}
+
+// version1File returns a store file of version 1 holding the pending keys
+// version1Pending.
+func version1File() []byte {
+	data := keylog.V1Header().Append(nil)
+	data = append(data, frameOf(keylog.AppendAcquire(nil, "a", "ka", 1), keylog.AppendAcquire(nil, "b", "kb", 2))...)
+	return append(data, frameOf(keylog.AppendAcquire(nil, "c", "kc", 3), keylog.AppendRelease(nil, "c", "kc"))...)
+}
+
+var version1Pending = map[string]string{"a": "ka", "b": "kb"}
+
+// checkKeepsVersion1 opens the version 1 file version1File wrote at path,
+// which cannot be replaced, so cannot be rewritten in the current version:
+// the store opens it as it is, records a key in it, and finds all its keys
+// again, the file still of version 1.
+func checkKeepsVersion1(t *testing.T, path string) {
+	t.Helper()
+	s, err := OpenFileKeyStore(path)
+	require.NoError(t, err, "a version 1 file that cannot be replaced is opened as it is")
+	assert.Equal(t, version1Pending, pendingMap(t, s))
+	_, err = s.Acquire(context.Background(), "d", "kd")
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+
+	s, err = OpenFileKeyStore(path)
+	require.NoError(t, err)
+	assert.Equal(t, map[string]string{"a": "ka", "b": "kb", "d": "kd"}, pendingMap(t, s))
+	assert.Equal(t, FileRecovery{}, s.Recovery())
+	require.NoError(t, s.Close())
+	data, err := os.ReadFile(path)
+	require.NoError(t, err)
+	h, err := keylog.ReadHeader(data)
+	require.NoError(t, err)
+	assert.Equal(t, uint16(1), h.Version(), "the file stays of version 1")
+}
+
+// A version 1 file is rewritten in the current version by replacing it,
+// which needs a directory it can be replaced in: in a read-only one the
+// store keeps the file's version, as the release that wrote it did, rather
+// than refuse to open its keys.
+func TestFileKeyStoreKeepsVersion1InAReadOnlyDirectory(t *testing.T) {
+	if os.Geteuid() == 0 || runtime.GOOS == "windows" {
+		t.Skip("needs a user that permissions apply to")
+	}
+	dir := t.TempDir()
+	p := filepath.Join(dir, "keys")
+	require.NoError(t, os.WriteFile(p, version1File(), 0o600))
+	require.NoError(t, os.Chmod(dir, 0o500))
+	t.Cleanup(func() { os.Chmod(dir, 0o700) })
+	checkKeepsVersion1(t, p)
 }
 
 // recoveryCase is a store file and what opening it must find.

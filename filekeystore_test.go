@@ -183,6 +183,19 @@ func TestOpenFileKeyStoreErrors(t *testing.T) {
 			require.NoError(t, os.WriteFile(p, []byte("hello"), 0o600))
 			return p
 		}, ErrStoreCorrupt, "not an idemhttp key store", true},
+		{"short foreign file starting with zeros", func(t *testing.T, dir string) string {
+			// Only a header's first 12 bytes are the same in every file;
+			// a file that does not start with them is no header torn
+			// after them, however short.
+			p := filepath.Join(dir, "keys")
+			require.NoError(t, os.WriteFile(p, append(make([]byte, 12), "payroll"...), 0o600))
+			return p
+		}, ErrStoreCorrupt, "not an idemhttp key store", true},
+		{"short foreign file starting as a header", func(t *testing.T, dir string) string {
+			p := filepath.Join(dir, "keys")
+			require.NoError(t, os.WriteFile(p, append([]byte("IDEM\x00\x00\x00\x00\x00\x00\x00\x00"), "payroll"...), 0o600))
+			return p
+		}, ErrStoreCorrupt, "not an idemhttp key store", true},
 		{"future version", func(t *testing.T, dir string) string {
 			p := filepath.Join(dir, "keys")
 			require.NoError(t, os.WriteFile(p, badVersion, 0o600))
@@ -381,6 +394,8 @@ func TestKeyStoreChild(t *testing.T) {
 		}
 	case "crash":
 		crashChild(path)
+	case "upgrade":
+		upgradeChild(path)
 	case "restart-a", "restart-b":
 		restartChild(mode, path)
 	default:

@@ -177,8 +177,9 @@ func ReadHeader(b []byte) (Header, error) {
 // creating the file can leave behind: the start of a header, followed by
 // nothing or by zero bytes (a file system may show an extent that was
 // allocated but never written as zeros). The salt is random, so any bytes
-// may stand where it goes. Nothing was ever stored in such a file: records
-// are appended only after the header is durable.
+// may stand where it goes, after the whole magic, version and flags.
+// Nothing was ever stored in such a file: records are appended only after
+// the header is durable.
 func IsUnfinishedHeader(b []byte) bool {
 	if len(b) > HeaderSize {
 		return false
@@ -191,9 +192,15 @@ func IsUnfinishedHeader(b []byte) bool {
 		return true
 	}
 	// The part of a current header that does not vary: magic, version
-	// and flags. The salt and the checksum after it may be anything.
-	fixed := Header{version: Version}.Append(nil)[:len(Magic)+4]
-	return prefixThenZeros(b[:min(len(b), len(fixed))], fixed)
+	// and flags. Once it is whole, the salt and the checksum after it may
+	// be anything; before, only zeros follow what was written, as in a
+	// header whose salt is zeros.
+	zeroSalt := Header{version: Version}.Append(nil)
+	fixed := zeroSalt[:len(Magic)+4]
+	if len(b) >= len(fixed) && string(b[:len(fixed)]) == string(fixed) {
+		return true
+	}
+	return prefixThenZeros(b, zeroSalt)
 }
 
 // prefixThenZeros reports whether b is a prefix of full followed by zero

@@ -121,6 +121,9 @@ func TestHeader(t *testing.T) {
 	}
 	assert.False(t, IsUnfinishedHeader([]byte("IDEMX")))
 	assert.False(t, IsUnfinishedHeader([]byte("IDEM\x00\x00x")), "a byte after the zeros")
+	assert.False(t, IsUnfinishedHeader(append(make([]byte, 12), "x"...)), "a byte after zeros where the salt goes")
+	assert.False(t, IsUnfinishedHeader([]byte("IDEMKEYS\x00\x00\x00\x00x")), "a byte after zeros where the version goes")
+	assert.True(t, IsUnfinishedHeader(append(hv.Append(nil)[:12], 0, 0, 0, 7, 0)), "any salt, after whole magic, version and flags")
 	assert.False(t, IsUnfinishedHeader(append(V1Header().Append(nil), 0, 0)), "a complete header, then a torn frame")
 	assert.False(t, IsUnfinishedHeader(make([]byte, HeaderSize+1)), "longer than a header")
 	assert.NotEqual(t, hv, newHeader(t), "each file has a salt of its own")
