@@ -312,8 +312,10 @@ func (s *Store) completeEndedTx(ctx context.Context, st *txState, ttl float64, e
 
 // commitRefused reports whether err, from a COMMIT, is the server's answer
 // that it rolled the transaction back: a serialization failure or deadlock
-// found at commit (SQLSTATE class 40) or a deferred constraint violated
-// (class 23). Any other answer may come after the commit was made durable:
+// found at commit (SQLSTATE class 40, but for 40003, "statement completion
+// unknown", which some PostgreSQL-compatible servers send for a commit
+// they cannot vouch for) or a deferred constraint violated (class 23). Any
+// other answer may come after the commit was made durable:
 // a pooler that lost its server connection answers with one of its own
 // (PgBouncer's 08P01), a server being shut down or terminating the session
 // with 57P01, and errors past the commit record with whatever they have.
@@ -321,7 +323,7 @@ func (s *Store) completeEndedTx(ctx context.Context, st *txState, ttl float64, e
 // learns from the table what committed.
 func commitRefused(err error) bool {
 	state := sqlState(err)
-	return len(state) == 5 && (state[:2] == "40" || state[:2] == "23")
+	return len(state) == 5 && (state[:2] == "40" && state != "40003" || state[:2] == "23")
 }
 
 // rolledBack returns the error of a transaction that was rolled back
