@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemhttp/idemhttp/internal/blockratio"
 	"github.com/idemhttp/idemhttp/internal/cputime"
 )
 
@@ -137,8 +138,8 @@ func BenchmarkTransportPaired(b *testing.B) {
 				s.report(b)
 			}
 			for _, s := range sides[1:] {
-				b.ReportMetric(median(ratios(s.wall, sides[0].wall)), s.name+"/bare-wall")
-				b.ReportMetric(median(ratios(s.cpu, sides[0].cpu)), s.name+"/bare-cpu")
+				b.ReportMetric(blockratio.Median(blockratio.Ratios(s.wall, sides[0].wall)), s.name+"/bare-wall")
+				b.ReportMetric(blockratio.Median(blockratio.Ratios(s.cpu, sides[0].cpu)), s.name+"/bare-cpu")
 			}
 		})
 	}
@@ -171,35 +172,10 @@ func (s *pairedSide) block(b *testing.B, n int, make func() *http.Request) {
 
 // report adds the side's mean times per request to b's results.
 func (s *pairedSide) report(b *testing.B) {
-	mean := func(v []float64) float64 {
-		var sum float64
-		for _, x := range v {
-			sum += x
-		}
-		return sum / float64(len(v))
-	}
-	b.ReportMetric(mean(s.wall), s.name+"-ns/req")
+	b.ReportMetric(blockratio.Mean(s.wall), s.name+"-ns/req")
 	if cputime.Supported {
-		b.ReportMetric(mean(s.cpu), s.name+"-cpu-ns/req")
+		b.ReportMetric(blockratio.Mean(s.cpu), s.name+"-cpu-ns/req")
 	}
-}
-
-// ratios returns a[i]/b[i] for each block.
-func ratios(a, b []float64) []float64 {
-	r := make([]float64, len(a))
-	for i := range a {
-		r[i] = a[i] / b[i]
-	}
-	return r
-}
-
-func median(v []float64) float64 {
-	v = slices.Clone(v)
-	slices.Sort(v)
-	if len(v)%2 == 1 {
-		return v[len(v)/2]
-	}
-	return (v[len(v)/2-1] + v[len(v)/2]) / 2
 }
 
 // keyByHand wraps rt so that every POST carries a fresh UUIDv7 key, set by
@@ -313,7 +289,7 @@ func BenchmarkTransportOverheadCold(b *testing.B) {
 			memoryRoundTrip(b, rt, req)
 			took = append(took, float64(time.Since(start).Nanoseconds()))
 		}
-		b.ReportMetric(median(took), "rt-ns/op")
+		b.ReportMetric(blockratio.Median(took), "rt-ns/op")
 	})
 }
 

@@ -45,11 +45,7 @@ import (
 // its status and header and counts the body, without httptest's recorder.
 // Add -benchmem to see the allocations of a request.
 func BenchmarkPaths(b *testing.B) {
-	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusCreated)
-		_, _ = w.Write([]byte(`{"id":"0123456789abcdef","status":"created"}`))
-	})
+	handler := benchHandler
 	var rt counter
 	client := newClient(b, &rt)
 	prefix := newPrefix(b, client)
@@ -83,17 +79,7 @@ func BenchmarkPaths(b *testing.B) {
 			b.Run(fmt.Sprintf("path=%s/C=%d/store=get-handler", path, c), func(b *testing.B) {
 				// The same GET, from a handler behind the harness the
 				// store columns use.
-				key := storedRecord(b)
-				h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-					v, err := client.Get(r.Context(), key).Result()
-					if err != nil {
-						http.Error(w, err.Error(), http.StatusServiceUnavailable)
-						return
-					}
-					w.Header().Set("Content-Type", "application/json")
-					w.WriteHeader(http.StatusCreated)
-					_, _ = io.WriteString(w, v)
-				})
+				h := getHandler(client, storedRecord(b))
 				measure(b, &rt, client, c, func(i int) { serveKey(b, h, keys.of(i%1000)) })
 			})
 			for _, st := range []struct {
@@ -130,6 +116,30 @@ func BenchmarkPaths(b *testing.B) {
 			}
 		}
 	}
+}
+
+// benchHandler is the handler behind the middleware in the benchmarks: it
+// answers 201 with a small JSON document.
+var benchHandler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	_, _ = w.Write([]byte(`{"id":"0123456789abcdef","status":"created"}`))
+})
+
+// getHandler returns the GET floor behind the benchmarks' harness: a
+// handler that reads record from Redis with a plain GET and answers with
+// it as benchHandler does.
+func getHandler(client *redis.Client, record string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		v, err := client.Get(r.Context(), record).Result()
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, v)
+	})
 }
 
 // benchURL is the URL of every benchmark request, parsed once.

@@ -2,9 +2,6 @@ package redisstore_test
 
 import (
 	"fmt"
-	"io"
-	"net/http"
-	"slices"
 	"testing"
 	"time"
 
@@ -12,6 +9,7 @@ import (
 
 	"github.com/idemhttp/idemhttp/idemserver"
 	"github.com/idemhttp/idemhttp/idemserver/redisstore"
+	"github.com/idemhttp/idemhttp/internal/blockratio"
 )
 
 // BenchmarkReplayPaired measures replays over the Redis store against the
@@ -27,11 +25,6 @@ import (
 //
 //	scripts/with-redis.sh go test -run '^$' -bench BenchmarkReplayPaired -benchtime 200000x -count 5 ./idemserver/redisstore/
 func BenchmarkReplayPaired(b *testing.B) {
-	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusCreated)
-		_, _ = w.Write([]byte(`{"id":"0123456789abcdef","status":"created"}`))
-	})
 	var rt counter
 	client := newClient(b, &rt)
 	prefix := newPrefix(b, client)
@@ -43,7 +36,7 @@ func BenchmarkReplayPaired(b *testing.B) {
 		for _, c := range []int{1, 16, 64} {
 			b.Run(fmt.Sprintf("path=%s/C=%d", path.name, c), func(b *testing.B) {
 				p := fmt.Sprintf("%s%s-%d:", prefix, path.name, c)
-				mw := idemserver.Middleware(redisstore.New(client, redisstore.WithPrefix(p)))(handler)
+				mw := idemserver.Middleware(redisstore.New(client, redisstore.WithPrefix(p)))(benchHandler)
 				for i := range path.keys {
 					serveKey(b, mw, keys.of(i))
 				}
@@ -57,19 +50,10 @@ func BenchmarkReplayPaired(b *testing.B) {
 						b.Error(err)
 					}
 				}
-				getHandler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-					v, err := client.Get(r.Context(), record).Result()
-					if err != nil {
-						http.Error(w, err.Error(), http.StatusServiceUnavailable)
-						return
-					}
-					w.Header().Set("Content-Type", "application/json")
-					w.WriteHeader(http.StatusCreated)
-					_, _ = io.WriteString(w, v)
-				})
+				floor := getHandler(client, record)
 				sides := []*pairedSide{
 					{name: "get", do: get},
-					{name: "get-handler", do: func(i int) { serveKey(b, getHandler, keys.of(i%path.keys)) }},
+					{name: "get-handler", do: func(i int) { serveKey(b, floor, keys.of(i%path.keys)) }},
 					{name: "redis", do: func(i int) { serveKey(b, mw, keys.of(i%path.keys)) }},
 				}
 				for _, s := range sides {
@@ -88,11 +72,11 @@ func BenchmarkReplayPaired(b *testing.B) {
 				}
 				b.StopTimer()
 				for _, s := range sides {
-					b.ReportMetric(mean(s.perRequest), s.name+"-ns/req")
+					b.ReportMetric(blockratio.Mean(s.perRequest), s.name+"-ns/req")
 				}
 				redis := sides[2].perRequest
-				b.ReportMetric(median(ratios(redis, sides[0].perRequest)), "redis/get")
-				b.ReportMetric(median(ratios(redis, sides[1].perRequest)), "redis/get-handler")
+				b.ReportMetric(blockratio.Median(blockratio.Ratios(redis, sides[0].perRequest)), "redis/get")
+				b.ReportMetric(blockratio.Median(blockratio.Ratios(redis, sides[1].perRequest)), "redis/get-handler")
 			})
 		}
 	}
@@ -108,30 +92,4 @@ type pairedSide struct {
 	name       string
 	do         func(i int)
 	perRequest []float64 // ns per request, per block
-}
-
-func mean(v []float64) float64 {
-	var sum float64
-	for _, x := range v {
-		sum += x
-	}
-	return sum / float64(len(v))
-}
-
-func median(v []float64) float64 {
-	v = slices.Clone(v)
-	slices.Sort(v)
-	if len(v)%2 == 1 {
-		return v[len(v)/2]
-	}
-	return (v[len(v)/2-1] + v[len(v)/2]) / 2
-}
-
-// ratios returns a[i]/b[i] for each block.
-func ratios(a, b []float64) []float64 {
-	r := make([]float64, len(a))
-	for i := range a {
-		r[i] = a[i] / b[i]
-	}
-	return r
 }
