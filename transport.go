@@ -82,7 +82,7 @@ type Transport struct {
 	breakers      *breakers // nil: no circuit breakers
 	limiters      *limiters // nil: no rate limit
 	hostKeys      *hostKeys
-	keys          *keySource // makes keys, unless cfg.newKey does
+	keys          keySource // makes keys, unless cfg.newKey does
 }
 
 // readsHeaderOnly reports whether base, on the platform goos, never writes
@@ -101,9 +101,6 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 	}
 	t := &Transport{base: base, cfg: newConfig(opts)}
 	t.baseReadsOnly = readsHeaderOnly(runtime.GOOS, base)
-	if t.cfg.newKey == nil {
-		t.keys = new(keySource)
-	}
 	t.hostKeys = newHostKeys(t.cfg.maxHosts)
 	if s := t.cfg.breaker; s != nil {
 		t.breakers = newBreakers(*s, t.cfg.maxHosts, t.cfg.idleHost)
@@ -170,10 +167,6 @@ type call struct {
 }
 
 func (c *call) run() (*http.Response, error) {
-	// One reading of the clock stamps a new key and, unless something may
-	// have waited since, admits the first attempt: on some machines it is
-	// among the dearest calls here.
-	c.admitted = time.Now()
 	if err := c.assignKey(); err != nil {
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
@@ -224,7 +217,7 @@ func (c *call) run() (*http.Response, error) {
 func (c *call) deliver(o outcome) *http.Response {
 	resp := o.resp
 	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
-	if release && (resp.Body == nil || resp.Body == http.NoBody || resp.StatusCode < 200) {
+	if release && (resp.Body == http.NoBody || resp.StatusCode < 200) {
 		// A 1xx here is 101 Switching Protocols: the body is the
 		// connection, no longer the outcome.
 		c.release()
@@ -268,7 +261,12 @@ func (c *call) assignKey() error {
 		key := c.redirectedKey()
 		var err error
 		if key == "" {
-			if c.t.keys != nil {
+			if cfg.newKey == nil {
+				// One reading of the clock stamps the key and, unless
+				// something may have waited since, admits the first
+				// attempt (see send): on some machines it is among the
+				// dearest calls here.
+				c.admitted = time.Now()
 				key, err = c.t.keys.newKey(c.admitted)
 			} else if key, err = cfg.newKey(); err == nil {
 				// Checked before a KeyStore records it: an empty key would
@@ -338,10 +336,10 @@ func (c *call) send(n int) (o outcome, reason Reason, err error) {
 		}
 	}
 	// One reading of the clock serves the breaker, the budget and the
-	// attempt's start. The first attempt has the call's, unless a rate
-	// limiter, a KeyStore or a key generator of the caller's may have made
-	// it wait.
-	if n > 1 || c.t.limiters != nil || c.pending || c.t.cfg.newKey != nil {
+	// attempt's start. The first attempt has the one that stamped its new
+	// key, if there was one, unless a rate limiter or a KeyStore may have
+	// made it wait since.
+	if n > 1 || c.admitted.IsZero() || c.t.limiters != nil || c.pending {
 		c.admitted = time.Now()
 	}
 	if b := c.t.breakers; b != nil {

@@ -41,27 +41,56 @@ func TestKeyedRequestWithUncomparableContextDoesNotPanic(t *testing.T) {
 // is not counted in the first attempt's, nor in the budget's and the
 // breaker's view of when it was sent.
 func TestFirstAttemptElapsedExcludesKeyGeneration(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
-			return &http.Response{StatusCode: 200, Body: http.NoBody, Request: r}, nil
+	// What makes a request wait before its first attempt (a key generator
+	// of the caller's, a KeyStore, the host's rate limiter) is not the
+	// attempt's time: its clock starts once it is admitted.
+	for _, tt := range []struct {
+		name      string
+		opts      []Option
+		operation bool
+		requests  int // the last one is measured
+	}{
+		{name: "key generator", requests: 1, opts: []Option{WithKeyGenerator(func() (string, error) {
+			time.Sleep(2 * time.Second) // a remote ID service
+			return "k-1", nil
+		})}},
+		{name: "KeyStore", requests: 1, operation: true, opts: []Option{WithKeyStore(slowKeyStore{NewMemoryKeyStore()})}},
+		{name: "rate limiter", requests: 2, opts: []Option{WithRateLimit(0.5, 1)}}, // the second waits 2s
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+					return &http.Response{StatusCode: 200, Body: http.NoBody, Request: r}, nil
+				})
+				var elapsed []time.Duration
+				tr := NewTransport(base, append(tt.opts,
+					WithAttemptHook(func(a Attempt) { elapsed = append(elapsed, a.Elapsed) }))...)
+				ctx := context.Background()
+				if tt.operation {
+					ctx = WithOperation(ctx, "order-1")
+				}
+				start := time.Now()
+				for range tt.requests {
+					req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://pay.example/charge", nil)
+					require.NoError(t, err)
+					resp, err := tr.RoundTrip(req)
+					require.NoError(t, err)
+					resp.Body.Close()
+				}
+				require.GreaterOrEqual(t, time.Since(start), 2*time.Second, "the request waited")
+				// The attempt itself took no time on the bubble's clock.
+				assert.Zero(t, elapsed[len(elapsed)-1])
+			})
 		})
-		var elapsed []time.Duration
-		tr := NewTransport(base,
-			WithKeyGenerator(func() (string, error) {
-				time.Sleep(2 * time.Second) // a remote ID service
-				return "k-1", nil
-			}),
-			WithAttemptHook(func(a Attempt) { elapsed = append(elapsed, a.Elapsed) }))
+	}
+}
 
-		req, err := http.NewRequest(http.MethodPost, "http://pay.example/charge", nil)
-		require.NoError(t, err)
-		resp, err := tr.RoundTrip(req)
-		require.NoError(t, err)
-		resp.Body.Close()
+// slowKeyStore is a KeyStore whose Acquire takes two seconds.
+type slowKeyStore struct{ KeyStore }
 
-		// The attempt itself took no time on the bubble's clock.
-		assert.Equal(t, []time.Duration{0}, elapsed)
-	})
+func (s slowKeyStore) Acquire(ctx context.Context, op, key string) (string, error) {
+	time.Sleep(2 * time.Second)
+	return s.KeyStore.Acquire(ctx, op, key)
 }
 
 func TestReadsHeaderOnly(t *testing.T) {

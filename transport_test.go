@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptrace"
@@ -155,9 +156,9 @@ func TestKeyGeneratorErrorSendsNothing(t *testing.T) {
 // bad key recorded for an operation would be sent again on every call.
 func TestBadKeySendsNothing(t *testing.T) {
 	tests := []struct {
-		name      string
-		opts      []Option
-		operation bool
+		name  string
+		opts  []Option
+		store KeyStore // the KeyStore, if not a MemoryKeyStore the test reads
 	}{
 		{name: "empty generated key",
 			opts: []Option{WithKeyGenerator(func() (string, error) { return "", nil })}},
@@ -165,10 +166,7 @@ func TestBadKeySendsNothing(t *testing.T) {
 			opts: []Option{WithKeyGenerator(func() (string, error) { return "k\r\nX-Evil: 1", nil })}},
 		{name: "generated key beyond ASCII",
 			opts: []Option{WithKeyGenerator(func() (string, error) { return "clé", nil })}},
-		{name: "empty generated key for an operation", operation: true,
-			opts: []Option{WithKeyGenerator(func() (string, error) { return "", nil })}},
-		{name: "empty key from the KeyStore", operation: true,
-			opts: []Option{WithKeyStore(&failingStore{})}},
+		{name: "empty key from the KeyStore", store: &failingStore{}},
 		{name: "generated key ending in a space",
 			opts: []Option{WithKeyGenerator(func() (string, error) { return "k ", nil })}},
 		{name: "generated key starting with a space",
@@ -177,29 +175,40 @@ func TestBadKeySendsNothing(t *testing.T) {
 			opts: []Option{WithKeyGenerator(func() (string, error) { return `"k"`, nil })}},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			srv := newServer(t, status(503), status(200))
-			store := NewMemoryKeyStore()
-			opts := append([]Option{WithKeyStore(store), WithBackoff(noWait)}, tt.opts...)
-			tr := NewTransport(newBaseTransport(t), opts...)
-			ctx := context.Background()
-			if tt.operation {
-				ctx = WithOperation(ctx, "order-1")
+		for _, operation := range []bool{false, true} {
+			if tt.store != nil && !operation {
+				continue // a KeyStore is asked only for an operation's key
 			}
-			body := newTrackedBody("charge")
-			req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, body)
-			require.NoError(t, err)
+			t.Run(fmt.Sprintf("%s/operation=%t", tt.name, operation), func(t *testing.T) {
+				srv := newServer(t, status(503), status(200))
+				memory := NewMemoryKeyStore()
+				store := tt.store
+				if store == nil {
+					store = memory
+				}
+				opts := append([]Option{WithKeyStore(store), WithBackoff(noWait)}, tt.opts...)
+				tr := NewTransport(newBaseTransport(t), opts...)
+				ctx := context.Background()
+				if operation {
+					ctx = WithOperation(ctx, "order-1")
+				}
+				body := newTrackedBody("charge")
+				req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, body)
+				require.NoError(t, err)
 
-			resp, err := tr.RoundTrip(req)
+				resp, err := tr.RoundTrip(req)
 
-			assert.Nil(t, resp)
-			assert.ErrorIs(t, err, ErrKeyStore)
-			assert.Zero(t, srv.hits.Load(), "nothing is sent without a good key")
-			assert.Equal(t, int32(1), body.closes.Load())
-			pending, err := store.Pending(ctx)
-			require.NoError(t, err)
-			assert.Empty(t, pending, "no bad key is recorded")
-		})
+				assert.Nil(t, resp)
+				assert.ErrorIs(t, err, ErrKeyStore)
+				assert.Zero(t, srv.hits.Load(), "nothing is sent without a good key")
+				assert.Equal(t, int32(1), body.closes.Load())
+				if tt.store == nil {
+					pending, err := memory.Pending(ctx)
+					require.NoError(t, err)
+					assert.Empty(t, pending, "no bad key is recorded")
+				}
+			})
+		}
 	}
 }
 
