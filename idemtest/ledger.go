@@ -35,24 +35,26 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	l.mu.Lock()
 	l.running[key]++
 	l.mu.Unlock()
+	sw := &statusWriter{ResponseWriter: w}
+	returned := false
 	defer func() {
+		// A panic is not an execution, and goes on. A run that returns
+		// without a status once its context has ended is counted, though
+		// the middleware releases its key: the ledger cannot tell whether
+		// it acted, and one that did runs again on the retry, which the
+		// ledger must show. The run is counted as it stops running, so
+		// that no assertion sees it both done and in progress.
 		l.mu.Lock()
 		if l.running[key]--; l.running[key] == 0 {
 			delete(l.running, key)
 		}
+		if returned && !sw.releases {
+			l.runs[key]++
+		}
 		l.mu.Unlock()
 	}()
-	sw := &statusWriter{ResponseWriter: w}
-	l.next.ServeHTTP(sw, r) // a panic is not an execution, and goes on
-	// A run that returns without a status once its context has ended is
-	// counted, though the middleware releases its key: the ledger cannot
-	// tell whether it acted, and one that did runs again on the retry,
-	// which the ledger must show.
-	if !idemserver.ReleasesResponse(sw.status, sw.Header()) {
-		l.mu.Lock()
-		l.runs[key]++
-		l.mu.Unlock()
-	}
+	l.next.ServeHTTP(sw, r)
+	returned = true
 }
 
 func (l *ledger) executions() map[string]int {
@@ -87,15 +89,19 @@ func (l *ledger) duplicates() []string {
 	return dups
 }
 
-// statusWriter notes the status a handler answers with.
+// statusWriter notes the status a handler answers with, and whether the
+// middleware releases the key after it: judged, as the middleware judges
+// it, by the header fields when the status is written.
 type statusWriter struct {
 	http.ResponseWriter
-	status int
+	status   int
+	releases bool
 }
 
 func (w *statusWriter) WriteHeader(code int) {
 	if w.status == 0 && code >= 200 {
 		w.status = code
+		w.releases = idemserver.ReleasesResponse(code, w.Header())
 	}
 	w.ResponseWriter.WriteHeader(code)
 }

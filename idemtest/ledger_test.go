@@ -103,3 +103,41 @@ func TestAssertExactlyOnceRunInFlight(t *testing.T) {
 	assert.Equal(t, map[string]int{"first-key": 1, "second-key": 1}, srv.Executions())
 	assert.False(t, srv.AssertExactlyOnce(rec, 1), "two keys for one operation")
 }
+
+// TestLedgerFollows409Rule checks that the ledger judges a 409 as the
+// middleware does, by its header fields when the status was written: with
+// Retry-After it is released (the retry runs the handler again, which is
+// not a duplicate), without it it is stored, and an execution.
+func TestLedgerFollows409Rule(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		first http.HandlerFunc
+		runs  int // executions of the key after the first request and its retry
+	}{
+		{"409 with Retry-After", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(http.StatusConflict)
+		}, 1},
+		{"Retry-After set after the 409", func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusConflict)
+			w.Header().Set("Retry-After", "1")
+		}, 1},
+		{"Retry-After removed after the 409", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Retry-After", "1")
+			w.WriteHeader(http.StatusConflict)
+			w.Header().Del("Retry-After")
+		}, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := NewServer(firstThenCreated(tt.first))
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+
+			assert.Equal(t, http.StatusConflict, post(t.Context(), client, srv.URL, "k").status)
+			post(t.Context(), client, srv.URL, "k")
+			assert.Equal(t, map[string]int{"k": tt.runs}, srv.Executions())
+			assert.Empty(t, srv.Duplicates())
+		})
+	}
+}
