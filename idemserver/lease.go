@@ -64,8 +64,7 @@ func (k *leaseKeeper) start(claimed time.Time) {
 	// used up part of the lease already, and a renewal due a third of a
 	// lease from now could come after the lease ended and another request
 	// took the key over.
-	first := min(time.Until(claimed.Add(renewEvery(cfg.lease))), time.Until(k.holdEnd))
-	k.timer = time.AfterFunc(first, k.renew)
+	k.timer = time.AfterFunc(time.Until(claimed.Add(min(renewEvery(cfg.lease), cfg.maxHold))), k.renew)
 }
 
 // renew runs on the timer's goroutine: it extends the lease, tries again
