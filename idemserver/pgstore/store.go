@@ -437,18 +437,20 @@ func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, toke
 // expires (measured from now on the store's clock, see [WithClock], and
 // applied to the database's).
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
-	return s.complete(ctx, key, token, idemserver.PackResponse(resp), expires)
+	return s.complete(ctx, key, token, idemserver.PackResponse(resp), time.Time{}, expires)
 }
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
-// the response given packed.
+// the response given packed and the retention measured from c.Now, the
+// middleware's time, when it is set.
 func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
-	return s.complete(ctx, c.Key, c.Token, c.Response, c.Expires)
+	return s.complete(ctx, c.Key, c.Token, c.Response, c.Now, c.Expires)
 }
 
 // complete stores resp, encoded without first becoming a Response, as
-// Complete describes.
-func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, resp idemserver.PackedResponse, expires time.Time) error {
+// Complete describes, to be kept for expires less now (the store's clock
+// when now is zero) from the statement that stores it.
+func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, resp idemserver.PackedResponse, now, expires time.Time) error {
 	encoded, err := respcodec.AppendPacked(make([]byte, 0, resp.Len()+8), resp)
 	if err != nil {
 		// Not a response: nothing to store. A claim's transaction must
@@ -461,7 +463,10 @@ func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, 
 		}
 		return err
 	}
-	retention := expires.Sub(s.now())
+	if now.IsZero() {
+		now = s.now()
+	}
+	retention := expires.Sub(now)
 	if retention > 0 && time.Duration(s.retention.Load()) != retention {
 		s.retention.Store(int64(retention))
 	}

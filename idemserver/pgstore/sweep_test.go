@@ -220,3 +220,25 @@ func TestSweepAtOfTheLongestRetention(t *testing.T) {
 		"SELECT sweep_at < expires_at FROM "+s.table.quoted()+" WHERE key = 'after'").Scan(&before))
 	assert.False(t, before, "sweep_at before the lease's end")
 }
+
+func TestCompleteTakesTheRetentionAsGiven(t *testing.T) {
+	// The middleware stamps a completion with its time and the record's
+	// expiry; the retention is their difference, exactly, in both modes,
+	// so the store's guess of it for later claims' sweep_at settles.
+	for _, mode := range []struct {
+		name string
+		opts []Option
+	}{{"lease", nil}, {"transactional", []Option{WithTransactional()}}} {
+		t.Run(mode.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			s := db.newStore(t, mode.opts...)
+			const ttl = 7 * time.Hour
+			h := idemserver.Middleware(s, idemserver.WithTTL(ttl))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusCreated)
+			}))
+			status, body, _ := post(h, "k")
+			require.Equal(t, http.StatusCreated, status, body)
+			assert.Equal(t, ttl, time.Duration(s.retention.Load()))
+		})
+	}
+}
