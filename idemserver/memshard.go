@@ -303,19 +303,19 @@ func packedKeyLen(k Key) int {
 // writePackedKey writes k to b: the scope and the key, each preceded by
 // its length as a uvarint.
 func writePackedKey(b *strings.Builder, k Key) {
-	writeUvarint(b, uint64(len(k.Scope)))
+	varint.Write(b, uint64(len(k.Scope)))
 	b.WriteString(k.Scope)
-	writeUvarint(b, uint64(len(k.Key)))
+	varint.Write(b, uint64(len(k.Key)))
 	b.WriteString(k.Key)
 }
 
 // unpackKey reads the key at the start of data and returns it with the
 // length it took.
 func unpackKey(data string) (scope, key string, n int) {
-	l, w := uvarint(data)
+	l, w := varint.Uvarint(data)
 	scope = data[w : w+int(l)]
 	n = w + int(l)
-	l, w = uvarint(data[n:])
+	l, w = varint.Uvarint(data[n:])
 	key = data[n+w : n+w+int(l)]
 	return scope, key, n + w + int(l)
 }

@@ -53,9 +53,9 @@ func (p packedParts) flags() byte {
 
 // writeTo appends the packed form of p to b.
 func (p packedParts) writeTo(b *strings.Builder) {
-	writeUvarint(b, uint64(p.status))
+	varint.Write(b, uint64(p.status))
 	b.WriteByte(p.flags())
-	writeUvarint(b, uint64(len(p.fields)))
+	varint.Write(b, uint64(len(p.fields)))
 	b.Write(p.fields)
 	b.Write(p.body)
 }
@@ -166,7 +166,7 @@ func (p PackedResponse) view() packed {
 
 // checkPacked reports what is wrong with data as a packed response.
 func checkPacked(data string) error {
-	status, n := uvarint(data)
+	status, n := varint.Uvarint(data)
 	if n <= 0 || status > 999 || !replayableStatus(int(status)) {
 		return errors.New("bad status")
 	}
@@ -183,7 +183,7 @@ func checkPacked(data string) error {
 		if !ok || name == "" {
 			return errors.New("bad header field name")
 		}
-		count, n := uvarint(rest)
+		count, n := varint.Uvarint(rest)
 		if n <= 0 || count > uint64(len(rest)-n) { // a value takes a byte at least
 			return errors.New("bad value count of header field " + strconv.Quote(name))
 		}
@@ -208,7 +208,7 @@ func replayableStatus(status int) bool {
 // cutPacked reads from s a uvarint length and that many bytes, and returns
 // them and what follows; ok is false when s is too short.
 func cutPacked(s string) (v, rest string, ok bool) {
-	l, n := uvarint(s)
+	l, n := varint.Uvarint(s)
 	if n <= 0 || l > uint64(len(s)-n) {
 		return "", "", false
 	}
@@ -238,7 +238,7 @@ type packed struct {
 func unpack(s string) packed {
 	i := 0
 	next := func() int {
-		v, n := uvarint(s[i:])
+		v, n := varint.Uvarint(s[i:])
 		i += n
 		return int(v)
 	}
@@ -344,26 +344,26 @@ func sameFields(h http.Header, b []byte) bool {
 func fieldsInto(h http.Header, fields string, extra ...string) {
 	values := len(extra) / 2
 	for i := 0; i < len(fields); {
-		n, w := uvarint(fields[i:])
+		n, w := varint.Uvarint(fields[i:])
 		i += w + int(n)
-		nv, w := uvarint(fields[i:])
+		nv, w := varint.Uvarint(fields[i:])
 		i += w
 		values += int(nv)
 		for range nv {
-			n, w := uvarint(fields[i:])
+			n, w := varint.Uvarint(fields[i:])
 			i += w + int(n)
 		}
 	}
 	all := make([]string, values)
 	str := func(i *int) string {
-		n, w := uvarint(fields[*i:])
+		n, w := varint.Uvarint(fields[*i:])
 		s := fields[*i+w : *i+w+int(n)]
 		*i += w + int(n)
 		return s
 	}
 	for i := 0; i < len(fields); {
 		k := str(&i)
-		nv, w := uvarint(fields[i:])
+		nv, w := varint.Uvarint(fields[i:])
 		i += w
 		vs := all[:nv:nv]
 		all = all[nv:]
@@ -438,25 +438,4 @@ func (p packed) replay(w http.ResponseWriter) {
 	if p.body != "" {
 		_, _ = io.WriteString(w, p.body)
 	}
-}
-
-func writeUvarint(b *strings.Builder, v uint64) {
-	var buf [binary.MaxVarintLen64]byte
-	b.Write(binary.AppendUvarint(buf[:0], v))
-}
-
-// uvarint decodes a uvarint at the start of s, as binary.Uvarint does for
-// a byte slice.
-func uvarint(s string) (uint64, int) {
-	var v uint64
-	var shift uint
-	for i := 0; i < len(s) && i < binary.MaxVarintLen64; i++ {
-		c := s[i]
-		if c < 0x80 {
-			return v | uint64(c)<<shift, i + 1
-		}
-		v |= uint64(c&0x7f) << shift
-		shift += 7
-	}
-	return 0, 0 // cannot happen: the string was packed by this file
 }

@@ -238,9 +238,9 @@ func Packed(enc string) (idemserver.PackedResponse, error) {
 	fields, body := enc[l.fields:l.fieldsEnd], enc[l.body:]
 	var b strings.Builder
 	b.Grow(varint.Len(uint64(l.status)) + 1 + varint.Len(uint64(len(fields))) + len(fields) + len(body))
-	writeUvarint(&b, uint64(l.status))
+	varint.Write(&b, uint64(l.status))
 	b.WriteByte(l.flags) // the same bits in both forms
-	writeUvarint(&b, uint64(len(fields)))
+	varint.Write(&b, uint64(len(fields)))
 	b.WriteString(fields)
 	b.WriteString(body)
 	return idemserver.ParsePackedResponse(b.String())
@@ -363,9 +363,4 @@ func (d *decoder[T]) str() T {
 func appendString(b []byte, s string) []byte {
 	b = binary.AppendUvarint(b, uint64(len(s)))
 	return append(b, s...)
-}
-
-func writeUvarint(b *strings.Builder, v uint64) {
-	var buf [binary.MaxVarintLen64]byte
-	b.Write(binary.AppendUvarint(buf[:0], v))
 }

@@ -2,6 +2,11 @@
 // length-prefixed formats.
 package varint
 
+import (
+	"encoding/binary"
+	"strings"
+)
+
 // Len returns the number of bytes binary.AppendUvarint writes for v.
 func Len(v uint64) int {
 	n := 1
@@ -19,12 +24,12 @@ func Len(v uint64) int {
 func Uvarint[T ~string | ~[]byte](b T) (v uint64, n int) {
 	var s uint
 	for i := 0; i < len(b); i++ {
-		if i == maxLen64 {
+		if i == binary.MaxVarintLen64 {
 			return 0, -(i + 1)
 		}
 		c := b[i]
 		if c < 0x80 {
-			if i == maxLen64-1 && c > 1 {
+			if i == binary.MaxVarintLen64-1 && c > 1 {
 				return 0, -(i + 1)
 			}
 			return v | uint64(c)<<s, i + 1
@@ -35,5 +40,9 @@ func Uvarint[T ~string | ~[]byte](b T) (v uint64, n int) {
 	return 0, 0
 }
 
-// maxLen64 is binary.MaxVarintLen64.
-const maxLen64 = 10
+// Write writes v to b as a uvarint, as binary.AppendUvarint would append
+// it.
+func Write(b *strings.Builder, v uint64) {
+	var buf [binary.MaxVarintLen64]byte
+	b.Write(binary.AppendUvarint(buf[:0], v))
+}
