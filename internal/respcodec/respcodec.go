@@ -78,7 +78,8 @@ func Append(b []byte, resp *idemserver.Response) []byte {
 	// one encoding: a completion sent again is then recognised by its
 	// bytes. A field without a name is left out: net/http does not send
 	// it, and Decode refuses it.
-	names := make([]string, 0, len(resp.Header))
+	var buf [16]string // most responses have fewer fields: no allocation
+	names := buf[:0]
 	for name := range resp.Header {
 		if name != "" {
 			names = append(names, name)
@@ -128,6 +129,9 @@ func Decode(b []byte) (*idemserver.Response, error) {
 			all = all[n:]
 			for j := range values {
 				values[j] = d.str()
+			}
+			if _, dup := resp.Header[name]; dup {
+				return nil, errDuplicate(name)
 			}
 			resp.Header[name] = values
 		}
@@ -192,10 +196,13 @@ func scan[T ~string | ~[]byte](b T) (layout, error) {
 	case n > 0 && l.omitted:
 		return l, fmt.Errorf("%w: a body, and the flag that says it was omitted", ErrCorrupt)
 	}
-	if name, ok := duplicateField(b[l.fields:l.fieldsEnd], l.nfields); ok {
-		return l, fmt.Errorf("%w: field %q twice", ErrCorrupt, name)
-	}
 	return l, nil
+}
+
+// errDuplicate is the error of an encoding that holds field name twice,
+// which scan leaves to its callers: Decode finds it in the map it builds.
+func errDuplicate(name string) error {
+	return fmt.Errorf("%w: field %q twice", ErrCorrupt, name)
 }
 
 // duplicateField returns a name that two of the n checked fields share.
@@ -236,6 +243,9 @@ func Packed(enc string) (idemserver.PackedResponse, error) {
 		return idemserver.PackedResponse{}, err
 	}
 	fields, body := enc[l.fields:l.fieldsEnd], enc[l.body:]
+	if name, ok := duplicateField(fields, l.nfields); ok {
+		return idemserver.PackedResponse{}, errDuplicate(name)
+	}
 	var b strings.Builder
 	b.Grow(varint.Len(uint64(l.status)) + 1 + varint.Len(uint64(len(fields))) + len(fields) + len(body))
 	varint.Write(&b, uint64(l.status))
