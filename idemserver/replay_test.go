@@ -847,3 +847,29 @@ func TestWriteAndWriteStringAgree(t *testing.T) {
 		}
 	}
 }
+
+// A header field whose name net/http would not send (empty, or not a
+// token) never reached the client, so it is not stored for a replay
+// either; a store's decoder would refuse an empty name.
+func TestFieldsNetHTTPDropsAreNotStored(t *testing.T) {
+	store := newStubStore()
+	var stored *Response
+	store.complete = func(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
+		stored = resp
+		return store.MemoryStore.Complete(ctx, key, token, resp, expires)
+	}
+	h := Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header()[""] = []string{"no name"}
+		w.Header()["Bad Name"] = []string{"a space"}
+		w.Header()["Bad:Name"] = []string{"a colon"}
+		w.Header().Set("X-Good", "kept")
+		w.WriteHeader(http.StatusCreated)
+	}))
+	w := serve(h, newRequest(http.MethodPost, "/x", "k", "b"))
+	require.Equal(t, http.StatusCreated, w.Code)
+	require.NotNil(t, stored)
+	assert.Equal(t, []string{"kept"}, stored.Header["X-Good"])
+	for _, name := range []string{"", "Bad Name", "Bad:Name"} {
+		assert.NotContains(t, stored.Header, name)
+	}
+}
