@@ -367,7 +367,7 @@ func (s *FileKeyStore) create() error {
 	if err != nil {
 		return fmt.Errorf("idemhttp: create key store %s: %w", s.path, err)
 	}
-	s.size = keylog.HeaderSize
+	s.size = s.hdr.Size()
 	return nil
 }
 

@@ -27,7 +27,7 @@ func (s *FileKeyStore) maybeCompactLocked() {
 		return
 	}
 	if s.size < s.cfg.compactMinSize || s.size < s.compactRetryAt ||
-		s.size < compactRatio*(keylog.HeaderSize+s.liveBytes) {
+		s.size < compactRatio*(s.hdr.Size()+s.liveBytes) {
 		return
 	}
 	done := make(chan struct{})
