@@ -12,6 +12,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/internal/keylog"
 )
 
 // bindMountEnv makes the test binary act as the child of
@@ -57,6 +59,18 @@ func TestKeyStoreBindMountChild(t *testing.T) {
 		fmt.Println("cannot bind-mount:", err)
 		return
 	}
+	// A version 1 file that salvage repairs is rewritten, or not opened:
+	// its damage must not stay in a file new records are appended to.
+	damaged := version1File()
+	damaged[len(keylog.V1Header().Append(nil))+keylog.FrameHeaderSize+2] ^= 0xff // in the first frame
+	require.NoError(t, os.WriteFile(keys, damaged, 0o600))
+	_, err := OpenFileKeyStore(keys, WithSalvage())
+	require.Error(t, err, "a repaired version 1 file that cannot be replaced is not opened")
+	data, err := os.ReadFile(keys)
+	require.NoError(t, err)
+	require.Equal(t, damaged, data, "and is left as it was")
+
+	require.NoError(t, os.WriteFile(keys, version1File(), 0o600))
 	checkKeepsVersion1(t, keys)
 	if !t.Failed() {
 		fmt.Println("kept version 1")
