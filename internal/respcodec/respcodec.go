@@ -256,9 +256,10 @@ func Packed(enc string) (idemserver.PackedResponse, error) {
 	return idemserver.ParsePackedResponse(b.String())
 }
 
-// AppendPacked appends the encoding of the packed response p to dst, as
-// Append would of p.Response(), without making it a Response first. A zero
-// p, or packed bytes that are not a response, give an error.
+// AppendPacked appends an encoding of the packed response p to dst, one
+// that Decode reads as it reads Append's of p.Response(), without making
+// it a Response first; its fields keep p's order, where Append sorts them.
+// A zero p, or packed bytes that are not a response, give an error.
 func AppendPacked(dst []byte, p idemserver.PackedResponse) ([]byte, error) {
 	if p.IsZero() {
 		return dst, fmt.Errorf("%w: no response", ErrCorrupt)
