@@ -114,42 +114,57 @@ func crashIterations(t *testing.T, def int) (int, uint64, *rand.Rand) {
 // killAfter acknowledgements and returns every line it printed.
 func runCrashChild(t *testing.T, path, prefix string, killAfter int) []string {
 	t.Helper()
+	delay := time.Duration(-1) // no timer: killed after killAfter acknowledgements
+	if killAfter == 0 {
+		delay = 0
+	}
+	acks := 0
+	return runKilledChild(t, "crash:"+path+"|"+prefix, delay, func(line string) bool {
+		if strings.HasPrefix(line, "A ") || strings.HasPrefix(line, "R ") {
+			acks++
+		}
+		return acks >= killAfter
+	})
+}
+
+// runKilledChild runs the key store child in mode and returns the lines it
+// printed. It kills the child with SIGKILL after delay, unless delay is
+// negative (at once if it is zero); as soon as killOn reports true for a
+// line; when the child reports an error, which fails the test; and when
+// its output ends. The child must die of the kill.
+func runKilledChild(t *testing.T, mode string, delay time.Duration, killOn func(line string) bool) []string {
+	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestKeyStoreChild$", "-test.count=1")
-	cmd.Env = append(os.Environ(), childEnv+"=crash:"+path+"|"+prefix)
+	cmd.Env = append(os.Environ(), childEnv+"="+mode)
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	require.NoError(t, cmd.Start())
-	var lines []string
-	killed := false
-	kill := func() {
-		if !killed {
-			killed = true
-			require.NoError(t, cmd.Process.Kill())
-		}
-	}
-	if killAfter == 0 {
+	var once sync.Once
+	kill := func() { once.Do(func() { assert.NoError(t, cmd.Process.Kill()) }) }
+	switch {
+	case delay == 0:
 		kill()
+	case delay > 0:
+		timer := time.AfterFunc(delay, kill)
+		defer timer.Stop()
 	}
+	var lines []string
 	sc := bufio.NewScanner(stdout)
-	acks := 0
 	for sc.Scan() {
 		line := sc.Text()
 		lines = append(lines, line)
 		if strings.HasPrefix(line, "error") {
-			kill()
 			t.Errorf("child: %s", line)
+			kill()
 		}
-		if strings.HasPrefix(line, "A ") || strings.HasPrefix(line, "R ") {
-			if acks++; acks >= killAfter {
-				kill()
-			}
+		if killOn(line) {
+			kill()
 		}
 	}
 	kill()
-	err = cmd.Wait()
-	require.Error(t, err, "the child must die of SIGKILL; stderr: %s", stderr.String())
+	require.Error(t, cmd.Wait(), "the child must die of SIGKILL; stderr: %s", stderr.String())
 	return lines
 }
 
@@ -317,34 +332,9 @@ func TestFileKeyStoreUpgradeSurvivesKill(t *testing.T) {
 // returns every line it printed.
 func runUpgradeChild(t *testing.T, path string, delay time.Duration) []string {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestKeyStoreChild$", "-test.count=1")
-	cmd.Env = append(os.Environ(), childEnv+"=upgrade:"+path)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	require.NoError(t, cmd.Start())
-	var once sync.Once
-	kill := func() { once.Do(func() { assert.NoError(t, cmd.Process.Kill()) }) }
-	if delay >= 0 {
-		timer := time.AfterFunc(delay, kill)
-		defer timer.Stop()
-	}
-	var lines []string
-	sc := bufio.NewScanner(stdout)
-	for sc.Scan() {
-		lines = append(lines, sc.Text())
-		if strings.HasPrefix(sc.Text(), "error") {
-			t.Errorf("child: %s", sc.Text())
-			kill()
-		}
-		if sc.Text() == "opened" && delay < 0 {
-			kill()
-		}
-	}
-	kill()
-	require.Error(t, cmd.Wait(), "the child must die of SIGKILL; stderr: %s", stderr.String())
-	return lines
+	return runKilledChild(t, "upgrade:"+path, delay, func(line string) bool {
+		return line == "opened" && delay < 0
+	})
 }
 
 // upgradeState says what a killed upgrade child left at path: the file of
