@@ -36,7 +36,7 @@ type memShard struct {
 
 // memExpiry is an entry of a shard's expiry heap.
 type memExpiry struct {
-	at   int64 // the record's expiry, in Unix nanoseconds
+	at   int64 // the record's expiry; see memTimes
 	slot int32
 }
 
@@ -50,8 +50,8 @@ type memSlot struct {
 	data         string
 	token        string    // lease token, while in progress
 	leaseExpires time.Time // while in progress
-	expires      int64     // Unix nanoseconds, once completed
-	since        int64     // Unix nanoseconds: when claimed, then when completed
+	expires      int64     // once completed; see memTimes
+	since        int64     // when claimed, then when completed; see memTimes
 	hash         uint64
 	fp           Fingerprint
 	nextFree     int32 // of an unused slot
@@ -66,8 +66,6 @@ const memRecordOverhead = int64(unsafe.Sizeof(memSlot{})) + int64(unsafe.Sizeof(
 
 // size returns what the record in e counts toward the store's byte bound.
 func (e *memSlot) size() int64 { return int64(len(e.data)+len(e.token)) + memRecordOverhead }
-
-func (e *memSlot) expiresAt() time.Time { return time.Unix(0, e.expires) }
 
 // response returns the packed response of a completed record.
 func (e *memSlot) response() string {
@@ -137,9 +135,9 @@ func (sh *memShard) leased(s *MemoryStore, h uint64, key Key, token string) (int
 	return i, nil
 }
 
-// insert adds an in-progress record for the claim c, whose key hashes to h,
-// and returns its slot.
-func (sh *memShard) insert(h uint64, c Claim) int32 {
+// insert adds an in-progress record for the claim c, made at now, whose
+// key hashes to h, and returns its slot.
+func (sh *memShard) insert(h uint64, c Claim, now int64) int32 {
 	i := sh.free
 	if i != none {
 		sh.free = sh.slots[i].nextFree
@@ -153,7 +151,7 @@ func (sh *memShard) insert(h uint64, c Claim) int32 {
 	e := &sh.slots[i]
 	*e = memSlot{
 		data: b.String(), token: c.Token, leaseExpires: c.LeaseExpires,
-		since: unixNano(c.Now), hash: h, fp: c.Fingerprint, heapPos: none,
+		since: now, hash: h, fp: c.Fingerprint, heapPos: none,
 	}
 	sh.index.add(h, i)
 	sh.len++
@@ -161,24 +159,24 @@ func (sh *memShard) insert(h uint64, c Claim) int32 {
 	return i
 }
 
-// lease gives the in-progress record in slot i to the claim c.
-func (sh *memShard) lease(i int32, c Claim) {
+// lease gives the in-progress record in slot i to the claim c, made at now.
+func (sh *memShard) lease(i int32, c Claim, now int64) {
 	e := &sh.slots[i]
 	sh.bytes -= e.size()
-	e.fp, e.token, e.leaseExpires, e.since = c.Fingerprint, c.Token, c.LeaseExpires, unixNano(c.Now)
+	e.fp, e.token, e.leaseExpires, e.since = c.Fingerprint, c.Token, c.LeaseExpires, now
 	sh.bytes += e.size()
 }
 
 // complete turns the in-progress record in slot i into a completed one
-// whose data (key and packed response) is data. now, unless zero, is the
-// time of the completion.
-func (sh *memShard) complete(i int32, data string, now, expires time.Time) {
+// whose data (key and packed response) is data, to expire at expires. now,
+// unless it is noTime, is the time of the completion.
+func (sh *memShard) complete(i int32, data string, now, expires int64) {
 	e := &sh.slots[i]
 	sh.bytes -= e.size()
 	e.data = data
-	e.expires = unixNano(expires)
-	if !now.IsZero() {
-		e.since = unixNano(now)
+	e.expires = expires
+	if now != noTime {
+		e.since = now
 	}
 	e.token, e.leaseExpires = "", time.Time{} // a completed record has no lease
 	e.completed = true
@@ -282,18 +280,26 @@ func (sh *memShard) unheap(j int) {
 	sh.expiries = sh.expiries[:last]
 }
 
-// unixNano returns t in Unix nanoseconds, clamped to what an int64 holds:
-// a time past the year 2262, the end of a TTL of centuries, stays as far in
-// the future as the store can tell rather than wrapping into the past.
-func unixNano(t time.Time) int64 {
-	switch sec := t.Unix(); {
-	case sec >= math.MaxInt64/int64(time.Second):
-		return math.MaxInt64
-	case sec <= math.MinInt64/int64(time.Second):
-		return math.MinInt64
-	}
-	return t.UnixNano()
-}
+// memTimes turns the times a [MemoryStore] is given into the numbers it
+// keeps: nanoseconds since base, a time taken when the store was made.
+// Time.Sub reads the monotonic clock when both times carry a reading of
+// it, as those of time.Now do, so a record lives its TTL by the time that
+// has passed, whatever steps the wall clock takes: a wall clock set a day
+// forward must not expire a day of records at once, and retries of their
+// keys run again. Times without a reading (those of an injected clock) are
+// measured on the wall clock, against the same base, so they stay in order
+// with one another. Sub saturates, so a time more than about 292 years
+// from base is kept as that far: a TTL of centuries means "for 292 years".
+type memTimes struct{ base time.Time }
+
+// noTime stands for no time.
+const noTime = math.MinInt64
+
+// of returns what the store keeps for t.
+func (m memTimes) of(t time.Time) int64 { return int64(t.Sub(m.base)) }
+
+// time returns the time that n stands for.
+func (m memTimes) time(n int64) time.Time { return m.base.Add(time.Duration(n)) }
 
 // packedKeyLen returns the length of k as writePackedKey writes it.
 func packedKeyLen(k Key) int {

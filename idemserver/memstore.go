@@ -66,10 +66,12 @@ const reclaimPerClaim = 2
 // one object per record to mark and nothing to scan but the arrays. It
 // implements [PackedStore], so the middleware stores a response and writes
 // a replay without converting it; every Claim that finds a completed record
-// returns a fresh copy of its response. Times are kept in Unix nanoseconds,
-// clamped to the years 1678 to 2262, so a TTL that reaches past 2262 means
-// "until 2262". The zero value is an empty store with the default limits,
-// ready to use.
+// returns a fresh copy of its response. A record expires when its TTL has
+// passed on the monotonic clock, so a step of the wall clock neither drops
+// records early nor keeps them late (see [time.Time.Sub]; times from an
+// injected clock, without monotonic readings, are compared as they are);
+// a TTL of more than about 292 years means 292 years. The zero value is an
+// empty store with the default limits, ready to use.
 type MemoryStore struct {
 	once         sync.Once
 	seed         maphash.Seed
@@ -81,6 +83,7 @@ type MemoryStore struct {
 	shardEntries int   // per shard
 	shardBytes   int64 // per shard
 	evictOldest  bool
+	times        memTimes
 	closed       atomic.Bool
 }
 
@@ -161,6 +164,7 @@ func (s *MemoryStore) init() {
 			n <<= 1
 		}
 		s.seed = maphash.MakeSeed()
+		s.times = memTimes{base: time.Now()}
 		s.shards = make([]memShard, n)
 		s.mask = uint64(n - 1)
 		// Each shard's share is rounded up, as (x-1)/n + 1 rather than
@@ -210,7 +214,7 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 		return PackedClaimResult{}, err
 	}
 	sh, h := s.locate(c.Key)
-	now := unixNano(c.Now)
+	now := s.times.of(c.Now)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if s.closed.Load() {
@@ -228,7 +232,7 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 			if c.NewToken != nil {
 				c.Token = c.NewToken()
 			}
-			sh.lease(i, c.Claim)
+			sh.lease(i, c.Claim, now)
 			return PackedClaimResult{ClaimResult: ClaimResult{Claimed: true}, Token: c.Token, Ref: memRef(h&s.mask, i)}, nil
 		default:
 			res := PackedClaimResult{ClaimResult: ClaimResult{
@@ -237,7 +241,7 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 			if !e.completed {
 				return res, nil
 			}
-			res.Record.Expires = e.expiresAt()
+			res.Record.Expires = s.times.time(e.expires)
 			if decode {
 				res.Record.Response = unpack(e.response()).response()
 			} else {
@@ -253,7 +257,7 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 	if c.NewToken != nil {
 		c.Token = c.NewToken()
 	}
-	i := sh.insert(h, c.Claim)
+	i := sh.insert(h, c.Claim, now)
 	return PackedClaimResult{
 		ClaimResult: ClaimResult{Claimed: true, Evictions: evictions},
 		Token:       c.Token,
@@ -306,13 +310,17 @@ func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) er
 	c.Response.writeTo(&b)
 	data := b.String()
 
-	// The claim's Ref, checked, saves hashing the key and looking it up.
 	s.init()
+	now, expires := int64(noTime), s.times.of(c.Expires)
+	if !c.Now.IsZero() {
+		now = s.times.of(c.Now)
+	}
+	// The claim's Ref, checked, saves hashing the key and looking it up.
 	if shard := c.Ref >> 32; c.Ref != 0 && shard < uint64(len(s.shards)) {
 		sh, slot := &s.shards[shard], int32(uint32(c.Ref))-1
 		sh.mu.Lock()
 		if !s.closed.Load() && sh.holds(slot, c.Key, c.Token) {
-			sh.complete(slot, data, c.Now, c.Expires)
+			sh.complete(slot, data, now, expires)
 			sh.mu.Unlock()
 			return nil
 		}
@@ -325,7 +333,7 @@ func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) er
 	if err != nil {
 		return err
 	}
-	sh.complete(i, data, c.Now, c.Expires)
+	sh.complete(i, data, now, expires)
 	return nil
 }
 

@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -410,14 +411,14 @@ func TestMemoryStoreKeepsResponsesIntact(t *testing.T) {
 // Keys whose hashes collide share a run of index entries; each must be
 // found, completed and removed without disturbing the others.
 func TestMemShardHashCollisions(t *testing.T) {
-	now := newFakeClock().Now()
+	const now = 0
 	var sh memShard
 	sh.init()
 	const h = 42
 	keys := []Key{{Key: "a"}, {Key: "b"}, {Scope: "t", Key: "a"}, {Key: "c"}}
 	for _, k := range keys {
 		require.Equal(t, int32(none), sh.find(h, k))
-		sh.insert(h, Claim{Key: k, Token: "token-" + k.Scope + k.Key, Now: now})
+		sh.insert(h, Claim{Key: k, Token: "token-" + k.Scope + k.Key}, now)
 	}
 	for _, k := range keys {
 		i := sh.find(h, k)
@@ -431,13 +432,13 @@ func TestMemShardHashCollisions(t *testing.T) {
 	}
 	i := sh.find(h, keys[2])
 	require.NotEqual(t, int32(none), i)
-	sh.complete(i, sh.slots[i].data+PackResponse(&Response{Status: 201}).s, now, now.Add(time.Hour))
+	sh.complete(i, sh.slots[i].data+PackResponse(&Response{Status: 201}).s, now, now+int64(time.Hour))
 	assert.Equal(t, 201, unpack(sh.slots[i].response()).status)
 	sh.remove(i)
 	assert.Zero(t, sh.index.n)
 	assert.Equal(t, 0, sh.len)
 	// Freed slots are reused.
-	sh.insert(h, Claim{Key: Key{Key: "d"}, Now: now})
+	sh.insert(h, Claim{Key: Key{Key: "d"}}, now)
 	assert.Len(t, sh.slots, len(keys))
 }
 
@@ -526,7 +527,7 @@ func TestMiddlewareHugeDurations(t *testing.T) {
 // The expiry heap stays ordered while records of any expiry come and go
 // from anywhere, and gives them back soonest first.
 func TestMemShardExpiryOrder(t *testing.T) {
-	now := newFakeClock().Now()
+	const now = 0
 	rng := rand.New(rand.NewPCG(1, 2))
 	var sh memShard
 	sh.init()
@@ -542,12 +543,12 @@ func TestMemShardExpiryOrder(t *testing.T) {
 		require.Len(t, sh.expiries, len(live))
 	}
 	for n := range 2000 {
-		c := Claim{Key: Key{Key: fmt.Sprint(n)}, Token: "t", Now: now}
-		i := sh.insert(uint64(n), c)
+		c := Claim{Key: Key{Key: fmt.Sprint(n)}, Token: "t"}
+		i := sh.insert(uint64(n), c, now)
 		// Mostly in order, as with one TTL, with other TTLs mixed in.
-		expires := now.Add(time.Duration(n) * time.Second)
+		expires := now + int64(n)*int64(time.Second)
 		if rng.IntN(3) == 0 {
-			expires = now.Add(time.Duration(rng.IntN(4000)) * time.Second)
+			expires = now + int64(rng.IntN(4000))*int64(time.Second)
 		}
 		sh.complete(i, sh.slots[i].data, now, expires)
 		live[i] = true
@@ -605,4 +606,66 @@ func TestMemoryStoreHugeShards(t *testing.T) {
 	res, err := s.Claim(t.Context(), testClaim("k", newFakeClock().Now()))
 	require.NoError(t, err)
 	assert.True(t, res.Claimed)
+}
+
+// clockStep returns a time that reads as wall on the wall clock and as
+// mono on the monotonic clock: what time.Now returns after the wall clock
+// was stepped by wall - mono. Both must carry monotonic readings, as
+// time.Now's do. It copies the monotonic half of the time's layout (see
+// the time package: wall, then ext, the monotonic reading).
+func clockStep(t *testing.T, wall, mono time.Time) time.Time {
+	t.Helper()
+	type layout struct {
+		wall uint64
+		ext  int64
+		loc  *time.Location
+	}
+	stepped := wall
+	(*layout)(unsafe.Pointer(&stepped)).ext = (*layout)(unsafe.Pointer(&mono)).ext
+	require.Equal(t, wall.Round(0), stepped.Round(0), "the wall clock's reading")
+	require.Zero(t, stepped.Sub(mono), "the monotonic clock's reading")
+	return stepped
+}
+
+// A record lives its TTL by the monotonic clock: a wall clock stepped
+// forward (NTP setting a clock that was far behind, a virtual machine
+// resumed) must not expire it early, since a retry of its key would then
+// run the handler again; nor keep it later when stepped back.
+func TestMemoryStoreExpiryIgnoresWallClockSteps(t *testing.T) {
+	ctx := context.Background()
+	const ttl = time.Hour
+	for _, tc := range []struct {
+		name      string
+		wallAhead time.Duration // the wall clock's step
+		elapsed   time.Duration // time passed, by the monotonic clock
+		replayed  bool
+	}{
+		{"wall clock a day ahead, a minute passed", 24 * time.Hour, time.Minute, true},
+		{"wall clock a day behind, two hours passed", -24 * time.Hour, 2 * time.Hour, false},
+		{"no step, a minute passed", 0, time.Minute, true},
+		{"no step, two hours passed", 0, 2 * time.Hour, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewMemoryStore()
+			start := time.Now()
+			c := testClaim("k", start)
+			res, err := s.Claim(ctx, c)
+			require.NoError(t, err)
+			require.True(t, res.Claimed)
+			require.NoError(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: http.StatusCreated}, start.Add(ttl)))
+
+			later := start.Add(tc.elapsed)
+			later = clockStep(t, later.Add(tc.wallAhead), later)
+			res, err = s.Claim(ctx, testClaim("k", later))
+			require.NoError(t, err)
+			if !tc.replayed {
+				assert.True(t, res.Claimed, "the record outlived its TTL")
+				return
+			}
+			require.False(t, res.Claimed, "the record was forgotten before its TTL")
+			require.NotNil(t, res.Record.Response)
+			assert.Equal(t, http.StatusCreated, res.Record.Response.Status)
+			assert.Zero(t, res.Record.Expires.Sub(start.Add(ttl)), "the record's expiry, as reported")
+		})
+	}
 }
