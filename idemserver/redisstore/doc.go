@@ -145,7 +145,7 @@
 // Not a Ring: a *redis.Ring moves the keys of a shard it finds down to the
 // other shards, and back when the shard returns, so records vanish and
 // reappear, and a retry of a completed or running key runs the handler
-// again.
+// again. [New] panics when given one.
 //
 // While Redis is down or slow, Claim returns an error and the middleware
 // answers 503 with Retry-After without running the handler. How long that

@@ -84,10 +84,14 @@ func WithClock(now func() time.Time) Option {
 }
 
 // New returns a store that keeps its records in the Redis that client
-// reaches: a single server, a Sentinel-managed one or a Cluster, but not a
-// Ring (see the package documentation), of Redis 7.0 or later. The store
-// does not close the client.
+// reaches: a single server, a Sentinel-managed one or a Cluster, of Redis
+// 7.0 or later. The store does not close the client. New panics if client
+// is a *redis.Ring, which loses records in silence (see the package
+// documentation).
 func New(client redis.UniversalClient, opts ...Option) *Store {
+	if _, ok := client.(*redis.Ring); ok {
+		panic("redisstore: New: a *redis.Ring cannot keep idempotency records (see the package documentation); use a *redis.Client, a Sentinel failover client or a *redis.ClusterClient")
+	}
 	s := &Store{
 		client:   client,
 		prefix:   DefaultPrefix,
