@@ -126,12 +126,13 @@
 //     appendfsync no leaves the flush to the kernel: tens of seconds;
 //   - maxmemory-policy noeviction. Every record has a TTL, so the volatile-*
 //     and allkeys-* policies would evict live records in silence; with
-//     noeviction a full Redis refuses new claims, and the middleware
-//     answers 503, while the claims it holds are still extended and
-//     completed (a little past maxmemory: their scripts write PEXPIRE
-//     first, which Redis lets through, and then every later write), and
-//     completed keys replay (Redis refuses the claim's SET, and the store
-//     reads the record with a GET: two round trips while Redis is full);
+//     noeviction a full Redis refuses new claims (the store's error wraps
+//     [idemserver.ErrStoreFull]), and the middleware answers 503, while
+//     the claims it holds are still extended and completed (a little past
+//     maxmemory: their scripts write PEXPIRE first, which Redis lets
+//     through, and then every later write), and completed keys replay
+//     (Redis refuses the claim's SET, and the store reads the record with
+//     a GET: two round trips while Redis is full);
 //   - replication is asynchronous: a failover to a replica can lose the last
 //     writes the primary acknowledged.
 //
