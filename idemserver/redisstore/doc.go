@@ -19,7 +19,10 @@
 // a layout version this release does not know, written by a later one, is
 // neither replayed nor replaced: the store returns an error wrapping
 // [ErrUnknownVersion], and the middleware answers 503 without running the
-// handler. So does a key that holds anything else (a hash, say).
+// handler. A key that holds anything else is neither replayed nor replaced
+// either, and gets a 503 too: a string this store did not write, with an
+// error wrapping [ErrUnexpectedReply], and another type (a hash, say),
+// with Redis's WRONGTYPE error.
 //
 // Each method of the store is one round trip. A claim is one native
 // command, SET with NX and GET (Redis 7.0 or later): it inserts an
