@@ -19,7 +19,10 @@
 // a layout version this release does not know, written by a later one, is
 // neither replayed nor replaced: the store returns an error wrapping
 // [ErrUnknownVersion], and the middleware answers 503 without running the
-// handler. So does a key that holds anything else (a hash, say).
+// handler. A key that holds anything else is neither replayed nor replaced
+// either, and gets a 503 too: a string this store did not write, with an
+// error wrapping [ErrUnexpectedReply], and another type (a hash, say),
+// with Redis's WRONGTYPE error.
 //
 // Each method of the store is one round trip. A claim is one native
 // command, SET with NX and GET (Redis 7.0 or later): it inserts an
@@ -126,12 +129,13 @@
 //     appendfsync no leaves the flush to the kernel: tens of seconds;
 //   - maxmemory-policy noeviction. Every record has a TTL, so the volatile-*
 //     and allkeys-* policies would evict live records in silence; with
-//     noeviction a full Redis refuses new claims, and the middleware
-//     answers 503, while the claims it holds are still extended and
-//     completed (a little past maxmemory: their scripts write PEXPIRE
-//     first, which Redis lets through, and then every later write), and
-//     completed keys replay (Redis refuses the claim's SET, and the store
-//     reads the record with a GET: two round trips while Redis is full);
+//     noeviction a full Redis refuses new claims (the store's error wraps
+//     [idemserver.ErrStoreFull]), and the middleware answers 503, while
+//     the claims it holds are still extended and completed (a little past
+//     maxmemory: their scripts write PEXPIRE first, which Redis lets
+//     through, and then every later write), and completed keys replay
+//     (Redis refuses the claim's SET, and the store reads the record with
+//     a GET: two round trips while Redis is full);
 //   - replication is asynchronous: a failover to a replica can lose the last
 //     writes the primary acknowledged.
 //
@@ -145,7 +149,7 @@
 // Not a Ring: a *redis.Ring moves the keys of a shard it finds down to the
 // other shards, and back when the shard returns, so records vanish and
 // reappear, and a retry of a completed or running key runs the handler
-// again.
+// again. [New] panics when given one.
 //
 // While Redis is down or slow, Claim returns an error and the middleware
 // answers 503 with Retry-After without running the handler. How long that

@@ -39,6 +39,9 @@ func TestFullRedis(t *testing.T) {
 	require.NoError(t, store.Complete(ctx, done.Key, done.Token, resp, time.Now().Add(time.Hour)))
 	live := claim("live", "l", time.Minute)
 	mustClaim(t, store, live)
+	dead := claim("dead", "dead", time.Millisecond)
+	mustClaim(t, store, dead)
+	waitLeaseEnded(t, store, dead)
 	var runs atomic.Int64
 	srv := httptest.NewServer(idemserver.Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		created(runs.Add(1), w)
@@ -76,6 +79,7 @@ func TestFullRedis(t *testing.T) {
 	rt.take()
 	_, err = store.Claim(ctx, claim("new", "n", time.Minute))
 	assert.ErrorContains(t, err, "OOM", "a new claim in a full Redis")
+	assert.ErrorIs(t, err, idemserver.ErrStoreFull, "the store is full of live records")
 	assert.EqualValues(t, 2, rt.take(), "the refused SET, and the GET that finds nothing")
 	n, err := c.Exists(ctx, redisstore.DefaultPrefix+"{:new}").Result()
 	require.NoError(t, err)
@@ -105,6 +109,11 @@ func TestFullRedis(t *testing.T) {
 	later.LeaseExpires = later.Now.Add(time.Minute)
 	_, err = aheadOf(c, redisstore.DefaultPrefix, 2*time.Hour).Claim(ctx, later)
 	assert.ErrorContains(t, err, "OOM", "a claim of an expired record in a full Redis")
+	assert.ErrorIs(t, err, idemserver.ErrStoreFull)
+	// Nor can an ended lease be taken over.
+	_, err = store.TakeOver(ctx, claim("dead", "taker", time.Minute), dead.Token)
+	assert.ErrorContains(t, err, "OOM", "a takeover in a full Redis")
+	assert.ErrorIs(t, err, idemserver.ErrStoreFull)
 
 	assert.NoError(t, store.Extend(ctx, live.Key, live.Token, time.Now().Add(time.Minute)), "a live claim is extended")
 	assert.NoError(t, store.Complete(ctx, live.Key, live.Token, resp, time.Now().Add(time.Hour)), "a live claim is completed")
@@ -119,5 +128,6 @@ func TestFullRedis(t *testing.T) {
 	assert.Equal(t, "run 1", string(r.body))
 	r = mustPost(t, srv, "http-new", "b")
 	assert.Equal(t, http.StatusServiceUnavailable, r.status)
+	assert.Contains(t, string(r.body), "the idempotency store is full", "the observer and the client are told it is full")
 	assert.EqualValues(t, 1, runs.Load())
 }

@@ -84,10 +84,14 @@ func WithClock(now func() time.Time) Option {
 }
 
 // New returns a store that keeps its records in the Redis that client
-// reaches: a single server, a Sentinel-managed one or a Cluster, but not a
-// Ring (see the package documentation), of Redis 7.0 or later. The store
-// does not close the client.
+// reaches: a single server, a Sentinel-managed one or a Cluster, of Redis
+// 7.0 or later. The store does not close the client. New panics if client
+// is a *redis.Ring, which loses records in silence (see the package
+// documentation).
 func New(client redis.UniversalClient, opts ...Option) *Store {
+	if _, ok := client.(*redis.Ring); ok {
+		panic("redisstore: New: a *redis.Ring cannot keep idempotency records (see the package documentation); use a *redis.Client, a Sentinel failover client or a *redis.ClusterClient")
+	}
 	s := &Store{
 		client:   client,
 		prefix:   DefaultPrefix,
@@ -178,10 +182,10 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 		full = err
 		cmd = s.client.Get(ctx, a.key)
 		if errors.Is(cmd.Err(), redis.Nil) {
-			return false, record{}, fmt.Errorf("redisstore: claim: %w", err)
+			return false, record{}, claimError(err)
 		}
 		if cmd.Err() != nil {
-			return false, record{}, fmt.Errorf("redisstore: claim: %w", errors.Join(err, cmd.Err()))
+			return false, record{}, claimError(errors.Join(err, cmd.Err()))
 		}
 	case err != nil:
 		return false, record{}, claimError(err)
@@ -200,7 +204,7 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 		// Expired by the middleware's clock, not yet by Redis's: absent,
 		// by the Store contract.
 		if full != nil {
-			return false, record{}, fmt.Errorf("redisstore: claim of a key whose record expired: %w", full)
+			return false, record{}, fmt.Errorf("redisstore: claim of a key whose record expired: %w", fullError(full))
 		}
 		return s.replace(ctx, a.key, a.value, a.ttl, c.Now, token, "")
 	}
@@ -290,7 +294,18 @@ func claimError(err error) error {
 		// SET with both NX and GET came with Redis 7.0.
 		return fmt.Errorf("redisstore: claim: %w (the store needs Redis 7.0 or later)", err)
 	}
-	return fmt.Errorf("redisstore: claim: %w", err)
+	return fmt.Errorf("redisstore: claim: %w", fullError(err))
+}
+
+// fullError returns err, Redis's refusal of a claim's write, wrapped with
+// [idemserver.ErrStoreFull] when Redis refused it for being at its
+// maxmemory: under noeviction, full of records it may not drop, as the
+// middleware's observer and its 503 then say.
+func fullError(err error) error {
+	if redis.IsOOMError(err) {
+		return fmt.Errorf("%w: %w", idemserver.ErrStoreFull, err)
+	}
+	return err
 }
 
 // unreadable returns the error for a record a script found unreadable,

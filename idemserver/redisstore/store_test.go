@@ -295,6 +295,8 @@ func TestBadRecords(t *testing.T) {
 			require.Error(t, err)
 			if tt.is != nil {
 				assert.ErrorIs(t, err, tt.is)
+			} else {
+				assert.ErrorContains(t, err, "WRONGTYPE", "Redis's error for a key of another type")
 			}
 			// The scripts refuse it too, for whatever token, and change
 			// nothing.
