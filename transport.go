@@ -63,8 +63,19 @@ import (
 // context, so an operation's pending key would be found in the KeyStore
 // anyway.) A 307 or 308 that is not followed, for want of a Location, a
 // CheckRedirect that stops it, or a request body without GetBody, is
-// returned with its operation's key still pending. Other redirects are
-// final: http.Client follows them with a GET, a request of its own.
+// returned with its operation's key still pending.
+//
+// A 301, 302 or 303 with a Location is the server's outcome, but
+// http.Client does not return it: it closes it and follows it with a GET,
+// and the caller gets that GET's outcome, or its error. So an operation's
+// key stays pending through it too, and is released only once the
+// outcome of the GET (or of the last of the redirects it leads to) is
+// final and has reached the caller; a GET that fails leaves it pending,
+// and the next call with the operation's id gets the server's replay of
+// the redirect. The GET carries no key; it finds the operation through its
+// Response field, whose Request's context the Transport marks. A 301, 302
+// or 303 that is not followed is returned with the key still pending, as
+// a 307 or 308 is; one without a Location is final.
 //
 // Each host (scheme, host and port) is guarded by a retry budget and a
 // circuit breaker, and optionally by a rate limit; see [Budget],
@@ -155,11 +166,15 @@ type call struct {
 	ctx  context.Context
 	body requestBody
 
-	key       string // the idempotency key, or "" if none
+	key       string // the idempotency key sent, or "" if none
 	keyValue  string // the key header's value to add, or "" to add none
 	operation string // from WithOperation, or ""
-	pending   bool   // key is pending in the KeyStore under operation
+	pending   bool   // opKey is pending in the KeyStore under operation
 	resend    bool   // the request may be sent again after it reached the server
+	// opKey is the operation's pending key: key, or, for a request that
+	// follows a 301, 302 or 303, the key of the request redirected, which
+	// this one does not carry.
+	opKey string
 
 	host     string          // scheme://host:port, for per-host state
 	admitted time.Time       // when the attempt in flight was admitted, or the call began
@@ -217,6 +232,9 @@ func (c *call) run() (*http.Response, error) {
 func (c *call) deliver(o outcome) *http.Response {
 	resp := o.resp
 	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
+	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
+		c.linkRedirect(resp)
+	}
 	if release && (resp.Body == http.NoBody || resp.StatusCode < 200) {
 		// A 1xx here is 101 Switching Protocols: the body is the
 		// connection, no longer the outcome.
@@ -226,7 +244,7 @@ func (c *call) deliver(o outcome) *http.Response {
 	if release || c.t.cfg.attemptTimeout > 0 {
 		b := &responseBody{ReadCloser: resp.Body, cancel: o.cancel}
 		if release {
-			b.t, b.ctx, b.operation, b.key = c.t, c.ctx, c.operation, c.key
+			b.t, b.ctx, b.operation, b.key = c.t, c.ctx, c.operation, c.opKey
 		}
 		resp.Body = b
 	}
@@ -285,7 +303,7 @@ func (c *call) assignKey() error {
 			if err = checkKey(key, cfg.structuredKey); err != nil {
 				return err
 			}
-			c.operation, c.pending = op, true
+			c.operation, c.pending, c.opKey = op, true, key
 		}
 		c.key = key
 		value := key
@@ -293,6 +311,8 @@ func (c *call) assignKey() error {
 			value = structuredString(key)
 		}
 		c.keyValue = value
+	} else if c.key == "" && c.req.Response != nil {
+		c.followLink()
 	}
 	c.resend = idempotentMethod(c.req.Method) || c.key != ""
 	return nil
@@ -319,6 +339,38 @@ func (c *call) redirectedKey() string {
 		return key
 	}
 	return value
+}
+
+// redirectLink is an operation whose pending key a redirect that
+// http.Client follows hands on to the request that follows it.
+type redirectLink struct{ operation, key string }
+
+// redirectLinkKey is the context key of a redirectLink.
+type redirectLinkKey struct{}
+
+// linkRedirect readies resp, a redirect that http.Client may follow, to
+// hand the call's pending operation on to the request that follows it:
+// http.Client points that request's Response field at resp, and resp's
+// Request, the attempt sent, now carries the operation in its context. A
+// 301, 302 or 303 is followed with a GET that carries no key, and so would
+// otherwise have no way to find the operation's; a 307 or 308 is followed by
+// the same request, which finds the key in the attempt's header, but a GET
+// that follows a 301 and is redirected again needs the link as well.
+func (c *call) linkRedirect(resp *http.Response) {
+	r := resp.Request // set by attempt if the base transport did not
+	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.operation, c.opKey})
+	resp.Request = r.WithContext(ctx)
+}
+
+// followLink takes on the pending operation of the redirect this request
+// follows, if it has one (see linkRedirect), so that its key is released
+// only once this request's outcome is final and has reached the caller.
+func (c *call) followLink() {
+	if prev := c.req.Response.Request; prev != nil {
+		if l, ok := prev.Context().Value(redirectLinkKey{}).(redirectLink); ok {
+			c.operation, c.opKey, c.pending = l.operation, l.key, true
+		}
+	}
 }
 
 // send makes attempt n once the host's rate limiter has room for it and
@@ -689,7 +741,7 @@ func (c *call) log(a Attempt) {
 // release forgets the operation's key once its outcome is final.
 func (c *call) release() {
 	if c.pending {
-		c.t.releaseKey(c.ctx, c.operation, c.key)
+		c.t.releaseKey(c.ctx, c.operation, c.opKey)
 	}
 }
 
