@@ -39,8 +39,9 @@ import (
 // operation's final outcome has reached the caller in full: when the
 // response body has been read to its end, or closed with no read of it
 // failed or in progress (a Close that interrupts a blocked Read keeps the
-// key, as the caller has not seen the outcome). A response without a body (to HEAD, a 204, a 304, an empty one)
-// releases it before RoundTrip returns. A body whose read fails (the
+// key, as the caller has not seen the outcome). A response without a body
+// (to HEAD, a 204, a 304, or one whose Body is [http.NoBody], as net/http's
+// HTTP/1 gives an empty one) releases it before RoundTrip returns. A body whose read fails (the
 // connection cut, the attempt timeout ending the read) leaves the key
 // pending even once it is closed, so that calling again with the same
 // operation id sends the same key and gets the server's replay of the
@@ -235,7 +236,7 @@ func (c *call) deliver(o outcome) *http.Response {
 	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
 		c.linkRedirect(resp)
 	}
-	if release && (resp.Body == http.NoBody || resp.StatusCode < 200) {
+	if release && (resp.Body == http.NoBody || !bodyAllowed(c.req.Method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
 		// connection, no longer the outcome.
 		c.release()
@@ -371,6 +372,16 @@ func (c *call) followLink() {
 			c.operation, c.opKey, c.pending = l.operation, l.key, true
 		}
 	}
+}
+
+// bodyAllowed reports whether a response with status code to a request
+// with method can have content (RFC 9110 section 6.4.1). One that cannot
+// is whole once its header has arrived, whatever Body the base transport
+// gives it: net/http's HTTP/1 gives http.NoBody, its HTTP/2 a reader of
+// its own.
+func bodyAllowed(method string, code int) bool {
+	return code >= 200 && code != http.StatusNoContent && code != http.StatusNotModified &&
+		method != http.MethodHead
 }
 
 // send makes attempt n once the host's rate limiter has room for it and
