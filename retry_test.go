@@ -219,3 +219,23 @@ func TestRetryErrorMessages(t *testing.T) {
 	assert.ErrorIs(t, &RetryError{Reason: ReasonBudgetExhausted, Err: io.EOF}, ErrBudgetExhausted)
 	assert.NotErrorIs(t, &RetryError{Reason: ReasonNotRetryable, Err: io.EOF}, ErrAttemptsExhausted)
 }
+
+// A request whose Method is empty is a GET, as net/http sends it, and is
+// retried as one.
+func TestEmptyMethodIsRetriedAsGet(t *testing.T) {
+	srv := newServer(t, status(503), status(200))
+	req, err := http.NewRequest(http.MethodGet, srv.URL, nil)
+	require.NoError(t, err)
+	req.Method = ""
+	var attempts []Attempt
+	tr := NewTransport(newBaseTransport(t), WithBackoff(noWait), WithAttemptHook(func(a Attempt) { attempts = append(attempts, a) }))
+
+	resp := do(t, tr, req)
+
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Equal(t, int32(2), srv.hits.Load())
+	assert.Equal(t, http.MethodGet, srv.received()[0].Method)
+	assert.Empty(t, srv.received()[0].Key)
+	require.Len(t, attempts, 2)
+	assert.Equal(t, http.MethodGet, attempts[0].Method)
+}

@@ -145,7 +145,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := call{t: t, req: req, ctx: req.Context(), body: body, host: t.hostKeys.get(req.URL)}
+	c := call{t: t, req: req, method: req.Method, ctx: req.Context(), body: body, host: t.hostKeys.get(req.URL)}
+	if c.method == "" {
+		c.method = http.MethodGet // as net/http sends it
+	}
 	// Deferred, so that a panic in the caller's code that the call runs
 	// (a key generator, a KeyStore, a hook, the base transport) still
 	// closes the body.
@@ -162,10 +165,11 @@ var errNilResponse = errors.New("idemhttp: base transport returned a nil respons
 
 // call is the state of one RoundTrip.
 type call struct {
-	t    *Transport
-	req  *http.Request
-	ctx  context.Context
-	body requestBody
+	t      *Transport
+	req    *http.Request
+	method string // req.Method, or GET for an empty one
+	ctx    context.Context
+	body   requestBody
 
 	key       string // the idempotency key sent, or "" if none
 	keyValue  string // the key header's value to add, or "" to add none
@@ -186,7 +190,7 @@ func (c *call) run() (*http.Response, error) {
 	if err := c.assignKey(); err != nil {
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
-				slog.String("method", c.req.Method), slog.String("host", c.req.URL.Host),
+				slog.String("method", c.method), slog.String("host", c.req.URL.Host),
 				slog.String("error", err.Error()))
 		}
 		return nil, c.giveUp(0, ReasonKeyStore, err)
@@ -236,7 +240,7 @@ func (c *call) deliver(o outcome) *http.Response {
 	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
 		c.linkRedirect(resp)
 	}
-	if release && (resp.Body == http.NoBody || !bodyAllowed(c.req.Method, resp.StatusCode)) {
+	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
 		// connection, no longer the outcome.
 		c.release()
@@ -276,7 +280,7 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
 	c.key = callerKey(c.req.Header, cfg.keyHeader)
-	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
+	if c.key == "" && slices.Contains(cfg.keyedMethods, c.method) {
 		key := c.redirectedKey()
 		var err error
 		if key == "" {
@@ -315,7 +319,7 @@ func (c *call) assignKey() error {
 	} else if c.key == "" && c.req.Response != nil {
 		c.followLink()
 	}
-	c.resend = idempotentMethod(c.req.Method) || c.key != ""
+	c.resend = idempotentMethod(c.method) || c.key != ""
 	return nil
 }
 
@@ -671,7 +675,7 @@ func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 		return
 	}
 	a := Attempt{
-		Method:    c.req.Method,
+		Method:    c.method,
 		Host:      c.req.URL.Host,
 		Key:       c.key,
 		Operation: c.operation,
