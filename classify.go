@@ -163,10 +163,17 @@ func isTruncatedResponse(err error) bool {
 
 // isHTTP2Transient recognises HTTP/2 connection shutdowns and stream resets.
 // net/http's HTTP/2 error types are unexported, so their messages are the
-// only stable signal.
+// only stable signal. A GOAWAY reaches the caller in three forms: the
+// connection closed after it ("server sent GOAWAY"), the request's stream
+// beyond its last stream id when it carries an error code ("Transport
+// received GOAWAY from server"), and net/http's own retry of a graceful
+// one that it could not make ("received Server's graceful shutdown
+// GOAWAY").
 func isHTTP2Transient(err error) bool {
 	msg := err.Error()
 	return strings.Contains(msg, "http2: server sent GOAWAY") ||
+		strings.Contains(msg, "http2: Transport received GOAWAY") ||
+		strings.Contains(msg, "http2: Transport received Server's graceful shutdown GOAWAY") ||
 		strings.Contains(msg, "stream error: stream ID") ||
 		strings.Contains(msg, "http2: client connection lost") ||
 		strings.Contains(msg, "http: server closed idle connection")

@@ -124,6 +124,9 @@ func TestErrorRetries(t *testing.T) {
 		{"timeout", timeoutErr{}, 3, 1},
 		{"HTTP/2 GOAWAY", errors.New("http2: server sent GOAWAY and closed the connection; LastStreamID=1"), 3, 1},
 		{"HTTP/2 stream reset", errors.New("stream error: stream ID 3; INTERNAL_ERROR"), 3, 1},
+		{"HTTP/2 graceful GOAWAY net/http could not retry", errors.New("http2: Transport: cannot retry err " +
+			"[http2: Transport received Server's graceful shutdown GOAWAY] after Request.Body was written; " +
+			"define Request.GetBody to avoid this error"), 3, 1},
 		{"unknown authority", &tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, 1, 1},
 		{"bad hostname", x509.HostnameError{Host: "x"}, 1, 1},
 		{"expired certificate", x509.CertificateInvalidError{Reason: x509.Expired}, 1, 1},
