@@ -187,10 +187,11 @@ func TestOperationKeyReleasedOnce(t *testing.T) {
 }
 
 // Close may be called while another goroutine is reading the body, as the
-// http.Response contract allows: a read that fails because of the Close
-// does not count as a read error, and the key is released, once. The Close
-// comes only once the reader is inside a read that cannot return, since
-// the server holds the rest of the body back.
+// http.Response contract allows: a Close that interrupts a blocked read
+// keeps the key pending, as a read error does, for neither reader nor
+// closer has seen the whole outcome. The Close comes only once the reader
+// is inside a read that cannot return, since the server holds the rest of
+// the body back.
 func TestOperationKeyCloseDuringRead(t *testing.T) {
 	for range 20 {
 		sent, hold := make(chan struct{}), make(chan struct{})
