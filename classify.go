@@ -41,17 +41,34 @@ func retryableStatus(code int, header http.Header) bool {
 }
 
 // finalStatus reports whether a response ends an operation for good, so its
-// idempotency key can be forgotten: a success, a redirect other than 307 and
-// 308, or a client error that sending again would not change. A 307 or 308
-// asks for the same request to be sent elsewhere, where it has yet to run.
+// idempotency key can be forgotten: a success, a redirect that is not
+// followed, or a client error that sending again would not change. A 307 or
+// 308 asks for the same request to be sent elsewhere, where it has yet to
+// run. A 301, 302 or 303 with a Location is the server's outcome, but
+// [http.Client] follows it with a GET, and the caller gets that GET's
+// outcome instead: until then the caller knows nothing of the operation's.
 func finalStatus(code int, header http.Header) bool {
 	switch {
+	case followedRedirect(code, header):
+		return false
 	case code == http.StatusTemporaryRedirect || code == http.StatusPermanentRedirect:
 		return false
 	case code < 400:
 		return true
 	}
 	return code < 500 && !retryableStatus(code, header)
+}
+
+// followedRedirect reports whether [http.Client] follows a response with
+// this status and header to another request: a 301, 302, 303, 307 or 308
+// with a Location.
+func followedRedirect(code int, header http.Header) bool {
+	switch code {
+	case http.StatusMovedPermanently, http.StatusFound, http.StatusSeeOther,
+		http.StatusTemporaryRedirect, http.StatusPermanentRedirect:
+		return header.Get("Location") != ""
+	}
+	return false
 }
 
 // errorClass is what an attempt's error says about retrying it.
@@ -146,10 +163,17 @@ func isTruncatedResponse(err error) bool {
 
 // isHTTP2Transient recognises HTTP/2 connection shutdowns and stream resets.
 // net/http's HTTP/2 error types are unexported, so their messages are the
-// only stable signal.
+// only stable signal. A GOAWAY reaches the caller in three forms: the
+// connection closed after it ("server sent GOAWAY"), the request's stream
+// beyond its last stream id when it carries an error code ("Transport
+// received GOAWAY from server"), and net/http's own retry of a graceful
+// one that it could not make ("received Server's graceful shutdown
+// GOAWAY").
 func isHTTP2Transient(err error) bool {
 	msg := err.Error()
 	return strings.Contains(msg, "http2: server sent GOAWAY") ||
+		strings.Contains(msg, "http2: Transport received GOAWAY") ||
+		strings.Contains(msg, "http2: Transport received Server's graceful shutdown GOAWAY") ||
 		strings.Contains(msg, "stream error: stream ID") ||
 		strings.Contains(msg, "http2: client connection lost") ||
 		strings.Contains(msg, "http: server closed idle connection")

@@ -36,8 +36,9 @@
 // Idempotency-Key header unless the caller already set one. Without an
 // operation in the context the key is a fresh UUIDv7 shared by the attempts
 // of one RoundTrip. With [WithOperation] the key comes from the configured
-// [KeyStore] and stays pending until the outcome is final (a 2xx or 3xx, or a
-// 4xx that is not retryable), so a later call for the same operation, in this
+// [KeyStore] and stays pending until the outcome is final (a 2xx, a 3xx that
+// is not followed, or a 4xx that is not retryable) and has reached the
+// caller, so a later call for the same operation, in this
 // process or the next, sends the same key.
 //
 // The default [MemoryKeyStore] forgets everything when the process exits. A

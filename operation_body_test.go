@@ -187,10 +187,11 @@ func TestOperationKeyReleasedOnce(t *testing.T) {
 }
 
 // Close may be called while another goroutine is reading the body, as the
-// http.Response contract allows: a read that fails because of the Close
-// does not count as a read error, and the key is released, once. The Close
-// comes only once the reader is inside a read that cannot return, since
-// the server holds the rest of the body back.
+// http.Response contract allows: a Close that interrupts a blocked read
+// keeps the key pending, as a read error does, for neither reader nor
+// closer has seen the whole outcome. The Close comes only once the reader
+// is inside a read that cannot return, since the server holds the rest of
+// the body back.
 func TestOperationKeyCloseDuringRead(t *testing.T) {
 	for range 20 {
 		sent, hold := make(chan struct{}), make(chan struct{})
@@ -309,4 +310,43 @@ func TestOperationRetriedAfterCutBodyIsReplayed(t *testing.T) {
 	require.Len(t, sent, 2)
 	assert.Equal(t, sent[0], sent[1])
 	assert.Empty(t, pendingKeys(t, store), "released once the replay was read")
+}
+
+// A response that cannot have a body (a 204, a 304, the answer to a HEAD)
+// is delivered whole with its header, over HTTP/2 as over HTTP/1: its key
+// is released before RoundTrip returns, whatever the body the base
+// transport gives it (HTTP/2's is not http.NoBody).
+func TestOperationKeyReleasedAtOnceWithoutBodyOverHTTP2(t *testing.T) {
+	tests := []struct {
+		name   string
+		method string
+		code   int
+	}{
+		{"204", http.MethodPost, http.StatusNoContent},
+		{"304", http.MethodPost, http.StatusNotModified},
+		{"HEAD", http.MethodHead, http.StatusOK},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(tt.code)
+			}))
+			srv.EnableHTTP2 = true
+			srv.StartTLS()
+			t.Cleanup(srv.Close)
+			base := srv.Client().Transport.(*http.Transport)
+			t.Cleanup(base.CloseIdleConnections)
+			store := NewMemoryKeyStore()
+			tr := NewTransport(base, WithKeyStore(store), WithKeyedMethods(http.MethodPost, http.MethodHead))
+			req, err := http.NewRequestWithContext(WithOperation(context.Background(), "op"), tt.method, srv.URL, nil)
+			require.NoError(t, err)
+
+			resp, err := tr.RoundTrip(req)
+			require.NoError(t, err)
+			require.Equal(t, 2, resp.ProtoMajor)
+			require.Equal(t, tt.code, resp.StatusCode)
+			assert.Empty(t, pendingKeys(t, store), "released before RoundTrip returns")
+			resp.Body.Close()
+		})
+	}
 }

@@ -23,7 +23,11 @@ func TestOperationKeyLifecycle(t *testing.T) {
 	}{
 		{"2xx releases", []func(http.ResponseWriter, *http.Request){status(201)}, false},
 		{"3xx releases", []func(http.ResponseWriter, *http.Request){status(304)}, false},
-		{"303 releases", []func(http.ResponseWriter, *http.Request){status(303, "Location", "/done")}, false},
+		{"303 without a Location releases", []func(http.ResponseWriter, *http.Request){status(303)}, false},
+		// http.Client would follow it: the GET that follows has the outcome.
+		{"301 stays pending", []func(http.ResponseWriter, *http.Request){status(301, "Location", "/done")}, true},
+		{"302 stays pending", []func(http.ResponseWriter, *http.Request){status(302, "Location", "/done")}, true},
+		{"303 stays pending", []func(http.ResponseWriter, *http.Request){status(303, "Location", "/done")}, true},
 		{"307 stays pending", []func(http.ResponseWriter, *http.Request){status(307, "Location", "/elsewhere")}, true},
 		{"308 stays pending", []func(http.ResponseWriter, *http.Request){status(308, "Location", "/elsewhere")}, true},
 		{"retried then 2xx releases", []func(http.ResponseWriter, *http.Request){status(503), status(200)}, false},

@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -141,4 +142,131 @@ func TestRedirectKeepsKeyOverBaseWithoutResponseRequest(t *testing.T) {
 	require.Len(t, keys, 2)
 	require.NotEmpty(t, keys[0])
 	assert.Equal(t, keys[0], keys[1], "the redirected request carries the same key")
+}
+
+// A 301, 302 or 303 that http.Client follows is not the outcome the caller
+// gets: the caller gets the outcome of the GET that follows it. If that GET
+// fails (a 5xx after the retries, an error, the context ending), the
+// caller has learnt nothing of the charge, and calling again with the same
+// operation id must send the same key, so that the server replays the
+// redirect instead of charging twice. The key is released once the
+// followed request's final outcome reaches the caller.
+func TestFollowedRedirectKeepsTheOperationPending(t *testing.T) {
+	tests := []struct {
+		name string
+		hops []int // the POST's redirect, then those of the GETs that follow
+	}{
+		{"301", []int{301}},
+		{"302", []int{302}},
+		{"303", []int{303}},
+		{"303 then 302", []int{303, 302}},
+		{"303 then 307", []int{303, 307}},
+		{"307 then 303", []int{307, 303}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var executions, pages atomic.Int32
+			charge := idemserver.Middleware(idemserver.NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				executions.Add(1)
+				_, _ = io.Copy(io.Discard, r.Body)
+				http.Redirect(w, r, "/hop/1", tt.hops[0])
+			}))
+			store := NewMemoryKeyStore()
+			var keys recorder[string]
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				hop := 0
+				fmt.Sscanf(r.URL.Path, "/hop/%d", &hop)
+				if hop == 0 {
+					keys.add(r.Header.Get("Idempotency-Key"))
+					charge.ServeHTTP(w, r)
+					return
+				}
+				assert.Len(t, pendingKeys(t, store), 1, "pending while the redirect is followed")
+				if hop < len(tt.hops) {
+					_, _ = io.Copy(io.Discard, r.Body)
+					http.Redirect(w, r, fmt.Sprintf("/hop/%d", hop+1), tt.hops[hop])
+					return
+				}
+				assert.Equal(t, http.MethodGet, r.Method)
+				if pages.Add(1) == 1 {
+					w.WriteHeader(http.StatusServiceUnavailable) // the charge's page is down
+					return
+				}
+				io.WriteString(w, "charge 1: paid")
+			}))
+			t.Cleanup(srv.Close)
+			client := &http.Client{Transport: NewTransport(newBaseTransport(t),
+				WithKeyStore(store), WithMaxAttempts(1))}
+			ctx := WithOperation(context.Background(), "order-9")
+
+			resp, err := client.Do(post(t, ctx, srv.URL, "charge"))
+			require.NoError(t, err)
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+			assert.Len(t, pendingKeys(t, store), 1, "the caller has not seen the outcome")
+
+			// The caller tries the operation again, as a 503 invites.
+			resp, err = client.Do(post(t, ctx, srv.URL, "charge"))
+			require.NoError(t, err)
+			assert.Len(t, pendingKeys(t, store), 1, "pending until the body is read")
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Equal(t, "charge 1: paid", string(body))
+
+			sent := keys.all()
+			require.NotEmpty(t, sent)
+			for _, k := range sent {
+				assert.Equal(t, sent[0], k, "every POST sends the first call's key")
+			}
+			assert.Equal(t, int32(1), executions.Load(), "charged once")
+			assert.Empty(t, pendingKeys(t, store), "released with the followed request's final outcome")
+		})
+	}
+}
+
+// The key of an operation whose followed redirect's GET is cut short by the
+// caller's context stays pending too, and one whose redirect is not
+// followed (CheckRedirect returns ErrUseLastResponse) is returned pending,
+// as a 307 or 308 that is not followed is.
+func TestFollowedRedirectEndedOrNotFollowed(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			http.Redirect(w, r, "/charges/1", http.StatusSeeOther)
+			return
+		}
+		<-r.Context().Done() // the charge's page hangs
+	}))
+	t.Cleanup(srv.Close)
+
+	t.Run("context ends during the GET", func(t *testing.T) {
+		store := NewMemoryKeyStore()
+		client := &http.Client{Transport: NewTransport(newBaseTransport(t), WithKeyStore(store))}
+		ctx, cancel := context.WithCancel(WithOperation(context.Background(), "order-10"))
+		base := client.Transport
+		client.Transport = roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.Method == http.MethodGet {
+				cancel() // the caller gives up while the GET runs
+			}
+			return base.RoundTrip(r)
+		})
+		_, err := client.Do(post(t, ctx, srv.URL, "charge"))
+		require.ErrorIs(t, err, context.Canceled)
+		assert.Len(t, pendingKeys(t, store), 1)
+	})
+	t.Run("not followed", func(t *testing.T) {
+		store := NewMemoryKeyStore()
+		client := &http.Client{
+			Transport:     NewTransport(newBaseTransport(t), WithKeyStore(store)),
+			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+		}
+		resp, err := client.Do(post(t, WithOperation(context.Background(), "order-11"), srv.URL, "charge"))
+		require.NoError(t, err)
+		_, err = io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		resp.Body.Close()
+		assert.Equal(t, http.StatusSeeOther, resp.StatusCode)
+		assert.Len(t, pendingKeys(t, store), 1)
+	})
 }

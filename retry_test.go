@@ -124,6 +124,9 @@ func TestErrorRetries(t *testing.T) {
 		{"timeout", timeoutErr{}, 3, 1},
 		{"HTTP/2 GOAWAY", errors.New("http2: server sent GOAWAY and closed the connection; LastStreamID=1"), 3, 1},
 		{"HTTP/2 stream reset", errors.New("stream error: stream ID 3; INTERNAL_ERROR"), 3, 1},
+		{"HTTP/2 graceful GOAWAY net/http could not retry", errors.New("http2: Transport: cannot retry err " +
+			"[http2: Transport received Server's graceful shutdown GOAWAY] after Request.Body was written; " +
+			"define Request.GetBody to avoid this error"), 3, 1},
 		{"unknown authority", &tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, 1, 1},
 		{"bad hostname", x509.HostnameError{Host: "x"}, 1, 1},
 		{"expired certificate", x509.CertificateInvalidError{Reason: x509.Expired}, 1, 1},
@@ -218,4 +221,24 @@ func TestRetryErrorMessages(t *testing.T) {
 	assert.ErrorIs(t, &RetryError{Reason: ReasonCircuitOpen}, ErrCircuitOpen)
 	assert.ErrorIs(t, &RetryError{Reason: ReasonBudgetExhausted, Err: io.EOF}, ErrBudgetExhausted)
 	assert.NotErrorIs(t, &RetryError{Reason: ReasonNotRetryable, Err: io.EOF}, ErrAttemptsExhausted)
+}
+
+// A request whose Method is empty is a GET, as net/http sends it, and is
+// retried as one.
+func TestEmptyMethodIsRetriedAsGet(t *testing.T) {
+	srv := newServer(t, status(503), status(200))
+	req, err := http.NewRequest(http.MethodGet, srv.URL, nil)
+	require.NoError(t, err)
+	req.Method = ""
+	var attempts []Attempt
+	tr := NewTransport(newBaseTransport(t), WithBackoff(noWait), WithAttemptHook(func(a Attempt) { attempts = append(attempts, a) }))
+
+	resp := do(t, tr, req)
+
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Equal(t, int32(2), srv.hits.Load())
+	assert.Equal(t, http.MethodGet, srv.received()[0].Method)
+	assert.Empty(t, srv.received()[0].Key)
+	require.Len(t, attempts, 2)
+	assert.Equal(t, http.MethodGet, attempts[0].Method)
 }

@@ -39,8 +39,9 @@ import (
 // operation's final outcome has reached the caller in full: when the
 // response body has been read to its end, or closed with no read of it
 // failed or in progress (a Close that interrupts a blocked Read keeps the
-// key, as the caller has not seen the outcome). A response without a body (to HEAD, a 204, a 304, an empty one)
-// releases it before RoundTrip returns. A body whose read fails (the
+// key, as the caller has not seen the outcome). A response without a body
+// (to HEAD, a 204, a 304, or one whose Body is [http.NoBody], as net/http's
+// HTTP/1 gives an empty one) releases it before RoundTrip returns. A body whose read fails (the
 // connection cut, the attempt timeout ending the read) leaves the key
 // pending even once it is closed, so that calling again with the same
 // operation id sends the same key and gets the server's replay of the
@@ -63,8 +64,19 @@ import (
 // context, so an operation's pending key would be found in the KeyStore
 // anyway.) A 307 or 308 that is not followed, for want of a Location, a
 // CheckRedirect that stops it, or a request body without GetBody, is
-// returned with its operation's key still pending. Other redirects are
-// final: http.Client follows them with a GET, a request of its own.
+// returned with its operation's key still pending.
+//
+// A 301, 302 or 303 with a Location is the server's outcome, but
+// http.Client does not return it: it closes it and follows it with a GET,
+// and the caller gets that GET's outcome, or its error. So an operation's
+// key stays pending through it too, and is released only once the
+// outcome of the GET (or of the last of the redirects it leads to) is
+// final and has reached the caller; a GET that fails leaves it pending,
+// and the next call with the operation's id gets the server's replay of
+// the redirect. The GET carries no key; it finds the operation through its
+// Response field, whose Request's context the Transport marks. A 301, 302
+// or 303 that is not followed is returned with the key still pending, as
+// a 307 or 308 is; one without a Location is final.
 //
 // Each host (scheme, host and port) is guarded by a retry budget and a
 // circuit breaker, and optionally by a rate limit; see [Budget],
@@ -133,7 +145,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := call{t: t, req: req, ctx: req.Context(), body: body, host: t.hostKeys.get(req.URL)}
+	c := call{t: t, req: req, method: req.Method, ctx: req.Context(), body: body, host: t.hostKeys.get(req.URL)}
+	if c.method == "" {
+		c.method = http.MethodGet // as net/http sends it
+	}
 	// Deferred, so that a panic in the caller's code that the call runs
 	// (a key generator, a KeyStore, a hook, the base transport) still
 	// closes the body.
@@ -150,16 +165,21 @@ var errNilResponse = errors.New("idemhttp: base transport returned a nil respons
 
 // call is the state of one RoundTrip.
 type call struct {
-	t    *Transport
-	req  *http.Request
-	ctx  context.Context
-	body requestBody
+	t      *Transport
+	req    *http.Request
+	method string // req.Method, or GET for an empty one
+	ctx    context.Context
+	body   requestBody
 
-	key       string // the idempotency key, or "" if none
+	key       string // the idempotency key sent, or "" if none
 	keyValue  string // the key header's value to add, or "" to add none
 	operation string // from WithOperation, or ""
-	pending   bool   // key is pending in the KeyStore under operation
+	pending   bool   // opKey is pending in the KeyStore under operation
 	resend    bool   // the request may be sent again after it reached the server
+	// opKey is the operation's pending key: key, or, for a request that
+	// follows a 301, 302 or 303, the key of the request redirected, which
+	// this one does not carry.
+	opKey string
 
 	host     string          // scheme://host:port, for per-host state
 	admitted time.Time       // when the attempt in flight was admitted, or the call began
@@ -170,7 +190,7 @@ func (c *call) run() (*http.Response, error) {
 	if err := c.assignKey(); err != nil {
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
-				slog.String("method", c.req.Method), slog.String("host", c.req.URL.Host),
+				slog.String("method", c.method), slog.String("host", c.req.URL.Host),
 				slog.String("error", err.Error()))
 		}
 		return nil, c.giveUp(0, ReasonKeyStore, err)
@@ -217,7 +237,10 @@ func (c *call) run() (*http.Response, error) {
 func (c *call) deliver(o outcome) *http.Response {
 	resp := o.resp
 	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
-	if release && (resp.Body == http.NoBody || resp.StatusCode < 200) {
+	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
+		c.linkRedirect(resp)
+	}
+	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
 		// connection, no longer the outcome.
 		c.release()
@@ -226,7 +249,7 @@ func (c *call) deliver(o outcome) *http.Response {
 	if release || c.t.cfg.attemptTimeout > 0 {
 		b := &responseBody{ReadCloser: resp.Body, cancel: o.cancel}
 		if release {
-			b.t, b.ctx, b.operation, b.key = c.t, c.ctx, c.operation, c.key
+			b.t, b.ctx, b.operation, b.key = c.t, c.ctx, c.operation, c.opKey
 		}
 		resp.Body = b
 	}
@@ -257,7 +280,7 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
 	c.key = callerKey(c.req.Header, cfg.keyHeader)
-	if c.key == "" && slices.Contains(cfg.keyedMethods, c.req.Method) {
+	if c.key == "" && slices.Contains(cfg.keyedMethods, c.method) {
 		key := c.redirectedKey()
 		var err error
 		if key == "" {
@@ -285,7 +308,7 @@ func (c *call) assignKey() error {
 			if err = checkKey(key, cfg.structuredKey); err != nil {
 				return err
 			}
-			c.operation, c.pending = op, true
+			c.operation, c.pending, c.opKey = op, true, key
 		}
 		c.key = key
 		value := key
@@ -293,8 +316,10 @@ func (c *call) assignKey() error {
 			value = structuredString(key)
 		}
 		c.keyValue = value
+	} else if c.key == "" && c.req.Response != nil {
+		c.followLink()
 	}
-	c.resend = idempotentMethod(c.req.Method) || c.key != ""
+	c.resend = idempotentMethod(c.method) || c.key != ""
 	return nil
 }
 
@@ -319,6 +344,48 @@ func (c *call) redirectedKey() string {
 		return key
 	}
 	return value
+}
+
+// redirectLink is an operation whose pending key a redirect that
+// http.Client follows hands on to the request that follows it.
+type redirectLink struct{ operation, key string }
+
+// redirectLinkKey is the context key of a redirectLink.
+type redirectLinkKey struct{}
+
+// linkRedirect readies resp, a redirect that http.Client may follow, to
+// hand the call's pending operation on to the request that follows it:
+// http.Client points that request's Response field at resp, and resp's
+// Request, the attempt sent, now carries the operation in its context. A
+// 301, 302 or 303 is followed with a GET that carries no key, and so would
+// otherwise have no way to find the operation's; a 307 or 308 is followed by
+// the same request, which finds the key in the attempt's header, but a GET
+// that follows a 301 and is redirected again needs the link as well.
+func (c *call) linkRedirect(resp *http.Response) {
+	r := resp.Request // set by attempt if the base transport did not
+	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.operation, c.opKey})
+	resp.Request = r.WithContext(ctx)
+}
+
+// followLink takes on the pending operation of the redirect this request
+// follows, if it has one (see linkRedirect), so that its key is released
+// only once this request's outcome is final and has reached the caller.
+func (c *call) followLink() {
+	if prev := c.req.Response.Request; prev != nil {
+		if l, ok := prev.Context().Value(redirectLinkKey{}).(redirectLink); ok {
+			c.operation, c.opKey, c.pending = l.operation, l.key, true
+		}
+	}
+}
+
+// bodyAllowed reports whether a response with status code to a request
+// with method can have content (RFC 9110 section 6.4.1). One that cannot
+// is whole once its header has arrived, whatever Body the base transport
+// gives it: net/http's HTTP/1 gives http.NoBody, its HTTP/2 a reader of
+// its own.
+func bodyAllowed(method string, code int) bool {
+	return code >= 200 && code != http.StatusNoContent && code != http.StatusNotModified &&
+		method != http.MethodHead
 }
 
 // send makes attempt n once the host's rate limiter has room for it and
@@ -608,7 +675,7 @@ func (c *call) report(n int, o outcome, reason Reason, wait time.Duration) {
 		return
 	}
 	a := Attempt{
-		Method:    c.req.Method,
+		Method:    c.method,
 		Host:      c.req.URL.Host,
 		Key:       c.key,
 		Operation: c.operation,
@@ -689,7 +756,7 @@ func (c *call) log(a Attempt) {
 // release forgets the operation's key once its outcome is final.
 func (c *call) release() {
 	if c.pending {
-		c.t.releaseKey(c.ctx, c.operation, c.key)
+		c.t.releaseKey(c.ctx, c.operation, c.opKey)
 	}
 }
 
