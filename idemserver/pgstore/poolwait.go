@@ -6,7 +6,6 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 )
 
@@ -42,10 +41,6 @@ func WithPoolWait(d time.Duration) Option {
 	return func(c *config) { c.poolWait = d }
 }
 
-// poolTick is how often a claim that waits for a pool connection looks
-// whether its request's context has ended.
-const poolTick = 50 * time.Millisecond
-
 // maxConnTries bounds how many connections one step of a claim tries, when
 // the driver reports them bad (driver.ErrBadConn), as database/sql's own
 // methods on a DB do.
@@ -53,25 +48,11 @@ const maxConnTries = 3
 
 // conn takes a connection from the pool, waiting for one no longer than
 // the store's bound and only while ctx lasts.
-//
-// When the pool has a free connection this allocates nothing of its own:
-// the wait's context is reused (see poolWait), since database/sql keeps no
-// hold on the context given to DB.Conn once it returns.
 func (s *Store) conn(ctx context.Context) (*sql.Conn, error) {
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	w, _ := s.waits.Get().(*poolWait)
-	if w == nil {
-		w = newPoolWait()
-	}
-	w.start(ctx, s.poolWait)
-	conn, err := s.db.Conn(w)
-	timedOut, reusable := w.end()
-	if reusable {
-		s.waits.Put(w)
-	}
-	if err != nil && timedOut {
+	wait, cancel := context.WithTimeoutCause(ctx, s.poolWait, ErrPoolTimeout)
+	defer cancel() // database/sql keeps no hold on the context once Conn returns
+	conn, err := s.db.Conn(wait)
+	if err != nil && ctx.Err() == nil && errors.Is(context.Cause(wait), ErrPoolTimeout) {
 		return nil, fmt.Errorf("%w (%v): %w", ErrPoolTimeout, s.poolWait, err)
 	}
 	return conn, err
@@ -91,101 +72,4 @@ func (s *Store) onConn(ctx context.Context, f func(*sql.Conn) error) error {
 			return err
 		}
 	}
-}
-
-// A poolWait is the context under which a claim waits for a pool
-// connection: its request's context, and a deadline the store's bound
-// sets. Its Done channel is its own, closed by a timer that looks every
-// poolTick whether the request's context has ended, and at the bound,
-// so that no goroutine or context is made for a wait that ends at once.
-// Once a wait has ended without its channel closing, the poolWait is used
-// again (see Store.conn).
-type poolWait struct {
-	timer *time.Timer
-	done  chan struct{}
-
-	mu       sync.Mutex
-	parent   context.Context // nil between waits
-	begun    time.Time
-	bound    time.Duration
-	err      error // set when done is closed
-	timedOut bool  // done was closed at the bound
-}
-
-func newPoolWait() *poolWait {
-	w := &poolWait{done: make(chan struct{})}
-	w.timer = time.AfterFunc(time.Hour, w.tick)
-	w.timer.Stop()
-	return w
-}
-
-// start begins a wait of at most bound under parent.
-func (w *poolWait) start(parent context.Context, bound time.Duration) {
-	w.mu.Lock()
-	w.parent, w.begun, w.bound = parent, time.Now(), bound
-	w.mu.Unlock()
-	w.timer.Reset(min(bound, poolTick))
-}
-
-// tick ends the wait if its request's context has ended or its bound has
-// passed, and otherwise looks again later.
-func (w *poolWait) tick() {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.parent == nil || w.err != nil {
-		return // the wait has ended
-	}
-	if err := w.parent.Err(); err != nil {
-		w.err = err
-	} else if left := w.bound - time.Since(w.begun); left > 0 {
-		w.timer.Reset(min(left, poolTick))
-		return
-	} else {
-		w.err, w.timedOut = context.DeadlineExceeded, true
-	}
-	close(w.done)
-}
-
-// end ends the wait. It reports whether the bound ended it, and whether w
-// may serve another wait: not once its channel is closed, nor while its
-// timer may still run for this one.
-func (w *poolWait) end() (timedOut, reusable bool) {
-	stopped := w.timer.Stop()
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.parent = nil
-	return w.timedOut, stopped && w.err == nil
-}
-
-// Deadline returns the end of the bound, or the request's deadline if that
-// comes first.
-func (w *poolWait) Deadline() (time.Time, bool) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	d := w.begun.Add(w.bound)
-	if w.parent == nil {
-		return d, true
-	}
-	if pd, ok := w.parent.Deadline(); ok && pd.Before(d) {
-		return pd, true
-	}
-	return d, true
-}
-
-func (w *poolWait) Done() <-chan struct{} { return w.done }
-
-func (w *poolWait) Err() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.err
-}
-
-func (w *poolWait) Value(key any) any {
-	w.mu.Lock()
-	parent := w.parent
-	w.mu.Unlock()
-	if parent == nil {
-		return nil
-	}
-	return parent.Value(key)
 }

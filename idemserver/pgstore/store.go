@@ -136,7 +136,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -154,7 +153,6 @@ type Store struct {
 	transactional bool
 	now           func() time.Time
 	poolWait      time.Duration // see WithPoolWait
-	waits         sync.Pool     // of *poolWait, for Store.conn
 
 	// retention is the retention the last Complete was given, and until
 	// then idemserver.DefaultTTL: a claim sets its row's sweep_at that

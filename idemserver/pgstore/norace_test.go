@@ -1,5 +1,0 @@
-//go:build !race
-
-package pgstore
-
-const raceEnabled = false
