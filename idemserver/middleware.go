@@ -93,6 +93,9 @@ import (
 // replayed all the same, so a handler must flush only what it has done. A
 // store that implements [ResponseHolder] turns streaming off: then nothing
 // reaches the client before Complete returns, however large the response.
+// An informational (1xx) response, such as 103 Early Hints, goes to the
+// client at once, as under net/http, except over such a store, which drops
+// it: it is a hint, and a replay never carries one either.
 // Hijacking the connection of a keyed request is refused with an error
 // wrapping [http.ErrNotSupported].
 //

@@ -109,7 +109,11 @@ func (c *recorder) Header() http.Header {
 }
 
 // WriteHeader records the status code. Informational (1xx) responses other
-// than 101 go to the client at once, as net/http sends them.
+// than 101 go to the client at once, as net/http sends them, unless the
+// store holds responses: then they are dropped, since nothing may reach the
+// client before the outcome is kept (a hint sent before a commit that then
+// fails would describe a response the client never gets), and a replay
+// carries none either.
 func (c *recorder) WriteHeader(code int) {
 	if code < 100 || code > 999 {
 		panic(fmt.Sprintf("invalid WriteHeader code %v", code))
@@ -120,7 +124,9 @@ func (c *recorder) WriteHeader(code int) {
 	c.begin()
 	h := c.w.Header()
 	if code < 200 && code != http.StatusSwitchingProtocols {
-		c.w.WriteHeader(code)
+		if !c.hold {
+			c.w.WriteHeader(code)
+		}
 		return
 	}
 	c.wroteHeader = true

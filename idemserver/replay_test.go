@@ -377,37 +377,56 @@ type duplexRecorder struct {
 func (d *duplexRecorder) EnableFullDuplex() error { d.duplex = true; return nil }
 
 func TestInformationalResponsePassesThrough(t *testing.T) {
-	mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Link", "</style.css>; rel=preload")
-		w.WriteHeader(http.StatusEarlyHints)
-		w.WriteHeader(http.StatusCreated)
-	}))
-	srv := httptest.NewServer(mw)
-	defer srv.Close()
-	for _, want := range []struct {
-		hints    int
-		replayed string
-	}{{1, ""}, {0, "true"}} {
-		var hints int
-		ctx := httptrace.WithClientTrace(t.Context(), &httptrace.ClientTrace{
-			Got1xxResponse: func(code int, _ textproto.MIMEHeader) error {
-				if code == http.StatusEarlyHints {
-					hints++
-				}
-				return nil
-			},
+	// A 1xx goes to the client at once, before the final response is
+	// stored, except over a store that holds responses until Complete
+	// returns (a transactional store, whose commit may still fail): then
+	// it is dropped, as a replay drops it.
+	for _, tt := range []struct {
+		name  string
+		store func() Store
+		hints int // 103s the first request's client gets
+	}{
+		{"passed through", func() Store { return NewMemoryStore() }, 1},
+		{"dropped by a store that holds responses", func() Store { return holdingStore{newStubStore()} }, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			mw := Middleware(tt.store())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Link", "</style.css>; rel=preload")
+				w.WriteHeader(http.StatusEarlyHints)
+				w.WriteHeader(http.StatusCreated)
+			}))
+			srv := httptest.NewServer(mw)
+			defer srv.Close()
+			for i, want := range []struct {
+				hints    int
+				replayed string
+			}{{tt.hints, ""}, {0, "true"}} {
+				var hints int
+				ctx := httptrace.WithClientTrace(t.Context(), &httptrace.ClientTrace{
+					Got1xxResponse: func(code int, _ textproto.MIMEHeader) error {
+						if code == http.StatusEarlyHints {
+							hints++
+							if i == 0 && tt.hints == 0 {
+								assert.Fail(t, "a 103 reached the client before its response was stored")
+							}
+						}
+						return nil
+					},
+				})
+				r, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader("b"))
+				require.NoError(t, err)
+				r.Header.Set(DefaultKeyHeader, "k")
+				resp, err := srv.Client().Do(r)
+				require.NoError(t, err)
+				_ = resp.Body.Close()
+				assert.Equal(t, http.StatusCreated, resp.StatusCode, "the final status is stored, not the 103")
+				assert.Equal(t, want.hints, hints, "early hints")
+				assert.Equal(t, want.replayed, resp.Header.Get(ReplayedHeader))
+				assert.Equal(t, "</style.css>; rel=preload", resp.Header.Get("Link"), "the field set for the hint stays in the final response")
+			}
+			srv.CloseClientConnections()
 		})
-		r, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader("b"))
-		require.NoError(t, err)
-		r.Header.Set(DefaultKeyHeader, "k")
-		resp, err := srv.Client().Do(r)
-		require.NoError(t, err)
-		_ = resp.Body.Close()
-		assert.Equal(t, http.StatusCreated, resp.StatusCode, "the final status is stored, not the 103")
-		assert.Equal(t, want.hints, hints, "early hints reach the client of the first request only")
-		assert.Equal(t, want.replayed, resp.Header.Get(ReplayedHeader))
 	}
-	srv.CloseClientConnections()
 }
 
 func TestHandlerWritingNothingStores200(t *testing.T) {

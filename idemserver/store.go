@@ -213,10 +213,11 @@ type Response struct {
 // until Complete returns, as a store that commits the claim, the handler's
 // writes and the response in one transaction does. When HoldResponses
 // reports true, the middleware lets no part of the response reach the
-// client before Complete returns: a Flush sends nothing, and a response
+// client before Complete returns: a Flush sends nothing, a response
 // larger than [WithMaxResponseBytes] is held in memory whole (and stored
-// without its body) instead of being streamed. The middleware asks once,
-// when it is created.
+// without its body) instead of being streamed, and an informational (1xx)
+// response, such as 103 Early Hints, is dropped rather than sent ahead of
+// the final one. The middleware asks once, when it is created.
 type ResponseHolder interface {
 	HoldResponses() bool
 }

@@ -40,15 +40,23 @@
 //     request. Release (a 5xx, a panic, a client gone) rolls back.
 //   - The transaction is begun under a context that the client's
 //     disconnect does not cancel: a handler that finished after its client
-//     left still commits, and the client's retry gets the replay. Only the
-//     wait for a pool connection to begin it on ends with the request's
-//     context: a request whose client left, or whose deadline passed,
-//     while the pool had no free connection gets 503 without its handler.
+//     left still commits, and the client's retry gets the replay.
+//   - A claim's waits for a pool connection, for its read and for its
+//     transaction, are bounded: each ends at [WithPoolWait]'s bound
+//     ([DefaultPoolWait], a second, unless set), or when the request's
+//     context ends, if that comes first. A claim that found no free
+//     connection in time fails with an error wrapping [ErrPoolTimeout]
+//     (or the context's), and the client gets 503 with Retry-After
+//     without its handler. Every claim holds a connection while its
+//     handler runs, so without the bound a duplicate, or a new key, could
+//     wait as long as the slowest handler, under a server without
+//     timeouts for good.
 //   - A duplicate that arrives while the first is uncommitted does not get
 //     the lock: its store ends its own transaction at once and reports the
 //     key in progress, so the middleware answers 409 or, with
 //     [idemserver.WithWaitInFlight], polls. It never waits on the first
-//     claim's row, and holds no connection between polls.
+//     claim's row, and holds no connection between polls; its wait for a
+//     free pool connection is bounded, as every claim's is.
 //   - The store implements [idemserver.ResponseHolder]: no part of a
 //     response reaches the client before the commit.
 //   - A serialization failure or deadlock (SQLSTATE 40001, 40P01) in
@@ -66,7 +74,9 @@
 // besides the handler's own, a replay one, and a duplicate in flight four
 // (read, BEGIN, claim, ROLLBACK). Each claimed request holds a pool
 // connection while its handler runs, so size the pool for the requests in
-// flight, and count the wait for a free connection in the request's time.
+// flight: a claim that waits longer than [WithPoolWait]'s bound for a free
+// connection is answered 503. The bound costs no allocation when a
+// connection is free.
 // Set PostgreSQL's idle_in_transaction_session_timeout (it is off by
 // default) to bound a transaction whose process hung. A statement of the
 // handler's that fails aborts the whole transaction, so that Complete
@@ -142,6 +152,7 @@ type Store struct {
 	q             statements
 	transactional bool
 	now           func() time.Time
+	poolWait      time.Duration // see WithPoolWait
 
 	// retention is the retention the last Complete was given, and until
 	// then idemserver.DefaultTTL: a claim sets its row's sweep_at that
@@ -165,6 +176,7 @@ type config struct {
 	table         string
 	transactional bool
 	now           func() time.Time
+	poolWait      time.Duration
 }
 
 // WithClock sets the clock the store reads to turn the times that Complete
@@ -212,11 +224,14 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if cfg.now == nil {
 		cfg.now = time.Now
 	}
+	if cfg.poolWait <= 0 {
+		cfg.poolWait = DefaultPoolWait
+	}
 	t, err := parseTable(cfg.table)
 	if err != nil {
 		return nil, err
 	}
-	s := &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now}
+	s := &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now, poolWait: cfg.poolWait}
 	s.retention.Store(int64(idemserver.DefaultTTL))
 	return s, nil
 }

@@ -75,33 +75,26 @@ type txState struct {
 	ended atomic.Bool // committed or rolled back
 }
 
-// maxBeginTries bounds how many connections a claim tries to begin its
-// transaction on, when the driver reports them bad (driver.ErrBadConn), as
-// database/sql's own BeginTx does.
-const maxBeginTries = 3
-
 // begin takes a connection from the pool and begins the transaction of
-// claim c on it. The wait for a free connection ends with ctx: a request
-// whose client left, or whose deadline passed, does not wait on a pool that
+// claim c on it. The wait for a free connection ends with ctx, or at the
+// store's bound (see WithPoolWait): a request whose client left, or whose
+// deadline passed, or that waited too long, does not wait on a pool that
 // every other claim's transaction holds. The transaction does not end with
 // ctx (see claimTx).
 func (s *Store) begin(ctx context.Context, c idemserver.Claim) (*txState, error) {
-	for try := 1; ; try++ {
-		conn, err := s.db.Conn(ctx)
-		if err != nil {
-			return nil, err
-		}
+	var st *txState
+	err := s.onConn(ctx, func(conn *sql.Conn) error {
 		tx, err := conn.BeginTx(context.WithoutCancel(ctx), nil)
-		if err == nil {
-			return &txState{conn: conn, tx: tx, key: c.Key, token: c.Token}, nil
+		if err != nil {
+			// Back to the pool; one the driver reported bad was closed
+			// and discarded already.
+			_ = conn.Close()
+			return err
 		}
-		// Back to the pool; one the driver reported bad was closed and
-		// discarded already.
-		_ = conn.Close()
-		if !errors.Is(err, driver.ErrBadConn) || try == maxBeginTries {
-			return nil, err
-		}
-	}
+		st = &txState{conn: conn, tx: tx, key: c.Key, token: c.Token}
+		return nil
+	})
+	return st, err
 }
 
 // commit commits the claim's transaction and returns its connection to
@@ -227,9 +220,16 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 // it settles the claim: a live record (a completed one to replay, whose
 // response it returns as stored, or one in progress in lease mode). An
 // absent or expired row does not.
+//
+// It takes its connection as begin does, so that its wait is bounded too.
 func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, bool, error) {
 	var r row
-	err := s.db.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).Scan(r.dest()...)
+	err := s.onConn(ctx, func(conn *sql.Conn) error {
+		r = row{}
+		err := conn.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).Scan(r.dest()...)
+		_ = conn.Close()
+		return err
+	})
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		return idemserver.ClaimResult{}, sql.NullString{}, false, nil

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
+	"net/textproto"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -442,4 +444,40 @@ END $$`, tt.deletes),
 			assert.Zero(t, db.Stats().InUse, "the connection is back in the pool")
 		})
 	}
+}
+
+func TestTransactionalSendsNoInformationalResponseBeforeTheCommit(t *testing.T) {
+	// A 103 the handler writes would reach the client while its
+	// transaction is still open, and the commit may yet fail: it is
+	// dropped, and the client gets the final response only.
+	db := newTestDB(t, 2)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	srv := httptest.NewServer(idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Link", "</style.css>; rel=preload")
+		w.WriteHeader(http.StatusEarlyHints)
+		txPaymentsHandler().ServeHTTP(w, r)
+	})))
+	defer srv.Close()
+	for _, replayed := range []string{"", "true"} {
+		var informational []int
+		ctx := httptrace.WithClientTrace(t.Context(), &httptrace.ClientTrace{
+			Got1xxResponse: func(code int, _ textproto.MIMEHeader) error {
+				informational = append(informational, code)
+				return nil
+			},
+		})
+		r, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/pay", strings.NewReader("b"))
+		require.NoError(t, err)
+		r.Header.Set("Idempotency-Key", "k")
+		resp, err := srv.Client().Do(r)
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		assert.Equal(t, http.StatusCreated, resp.StatusCode)
+		assert.Equal(t, replayed, resp.Header.Get(idemserver.ReplayedHeader))
+		assert.Empty(t, informational, "no informational response reached the client")
+	}
+	assert.Equal(t, 1, countPayments(t, db.DB, "k"))
+	srv.CloseClientConnections()
 }

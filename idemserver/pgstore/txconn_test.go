@@ -39,7 +39,9 @@ func TestTransactionalClaimWaitsForAConnectionOnlyWhileItsRequestLasts(t *testin
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			db := newTestDB(t, 1)
-			s := db.newStore(t, WithTransactional())
+			// The store's own bound is far away: the request's context
+			// ends the wait.
+			s := db.newStore(t, WithTransactional(), WithPoolWait(time.Hour))
 			// After the claim has read the key's row, and before it takes
 			// a connection for its transaction, the pool's one connection
 			// is taken, as by another claim's transaction.
@@ -100,6 +102,7 @@ func TestTransactionalClaimWaitsForAConnectionOnlyWhileItsRequestLasts(t *testin
 			require.Len(t, events, 1)
 			assert.Equal(t, idemserver.OutcomeUnavailable, events[0].Outcome)
 			assert.ErrorIs(t, events[0].Err, tt.want)
+			assert.NotErrorIs(t, events[0].Err, ErrPoolTimeout)
 
 			giveBack.Do(func() { require.NoError(t, conn.Close()) })
 			assert.Zero(t, db.Stats().InUse, "the claim kept no connection")
@@ -354,4 +357,87 @@ func TestTransactionalPoolUnderContention(t *testing.T) {
 	var inProgress int
 	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM "+s.table.quoted()+" WHERE response IS NULL").Scan(&inProgress))
 	assert.Zero(t, inProgress, "no claim left in progress")
+}
+
+func TestTransactionalClaimWaitsForAConnectionNoLongerThanTheBound(t *testing.T) {
+	// Every claim in transactional mode holds a pool connection while its
+	// handler runs. With the pool's one connection held by a handler that
+	// has not returned, a duplicate's read and a new key's claim wait for
+	// a connection; under a server without timeouts their requests'
+	// contexts never end, so only the store's bound ends the wait. Each
+	// gets 503 with Retry-After, and no handler runs for it.
+	db := newTestDB(t, 1)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	entered, release := make(chan struct{}), make(chan struct{})
+	var runs atomic.Int64
+	var mu sync.Mutex
+	var events []idemserver.Event
+	h := idemserver.Middleware(s, idemserver.WithObserver(func(e idemserver.Event) {
+		mu.Lock()
+		defer mu.Unlock()
+		events = append(events, e)
+	}))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if runs.Add(1) == 1 {
+			close(entered)
+			<-release
+		}
+		txPaymentsHandler().ServeHTTP(w, r)
+	}))
+
+	var requests sync.WaitGroup
+	var releaseOnce sync.Once
+	defer func() {
+		// However the test ends, the first handler returns, and every
+		// request ends before the test's database is dropped.
+		releaseOnce.Do(func() { close(release) })
+		requests.Wait()
+	}()
+	first := make(chan int, 1)
+	requests.Go(func() {
+		status, _, _ := post(h, "k")
+		first <- status
+	})
+	<-entered
+
+	waits := db.Stats().WaitCount
+	type answer struct {
+		key string
+		w   *httptest.ResponseRecorder
+	}
+	answers := make(chan answer, 2)
+	for _, key := range []string{"k", "other"} {
+		requests.Go(func() { answers <- answer{key, serveOnce(h, key)} }) // no deadline
+	}
+	for range 2 {
+		select {
+		case a := <-answers:
+			assert.Equal(t, http.StatusServiceUnavailable, a.w.Code, "%s: %s", a.key, a.w.Body)
+			assert.Contains(t, a.w.Body.String(), idemserver.ProblemStoreUnavailable, a.key)
+			assert.NotEmpty(t, a.w.Header().Get("Retry-After"), a.key)
+		case <-time.After(20 * DefaultPoolWait):
+			t.Fatal("a claim still waits for a pool connection that a running handler holds")
+		}
+	}
+	assert.GreaterOrEqual(t, db.Stats().WaitCount-waits, int64(2), "both claims waited for the connection")
+	assert.Equal(t, int64(1), runs.Load(), "no handler ran but the first")
+	mu.Lock()
+	require.Len(t, events, 2)
+	for _, e := range events {
+		assert.Equal(t, idemserver.OutcomeUnavailable, e.Outcome)
+		assert.ErrorIs(t, e.Err, ErrPoolTimeout)
+		assert.ErrorIs(t, e.Err, context.DeadlineExceeded)
+	}
+	mu.Unlock()
+
+	releaseOnce.Do(func() { close(release) })
+	require.Equal(t, http.StatusCreated, <-first)
+	// Nothing of the refused claims was kept: the duplicate's retry gets
+	// the replay, and the new key runs.
+	expect(t, h, "k", http.StatusCreated, true)
+	expect(t, h, "other", http.StatusCreated, false)
+	assert.Equal(t, 1, countPayments(t, db.DB, "k"))
+	assert.Equal(t, 1, countPayments(t, db.DB, "other"))
+	assert.Zero(t, db.Stats().InUse, "every connection is back in the pool")
 }
