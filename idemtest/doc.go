@@ -25,7 +25,9 @@
 //
 // The middleware deduplicates requests by their idempotency key, as it
 // would in production. The ledger, just in front of the handler, counts the
-// handler's executions per idempotency key. An execution is a run of the
+// handler's executions per idempotency key, as the middleware keeps them:
+// per scope and key when the middleware has a scope (idemserver.WithScope).
+// An execution is a run of the
 // handler that ended with an outcome the middleware keeps: the handler
 // returned a status below 500 other than 408, 425, 429, 499 and a 409 with
 // Retry-After (see [idemserver.ReleasesResponse]). A run that panicked or

@@ -4,13 +4,14 @@ import (
 	"maps"
 	"net/http"
 	"slices"
+	"strconv"
 	"sync"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 )
 
-// ledger counts the executions of the handler behind it, per idempotency
-// key: the runs that ended with an outcome the middleware keeps.
+// ledger counts the executions of the handler behind it, per scoped
+// idempotency key: the runs that ended with an outcome the middleware keeps.
 type ledger struct {
 	next   http.Handler
 	header string
@@ -26,12 +27,28 @@ func newLedger(next http.Handler, header string) *ledger {
 	return &ledger{next: next, header: header, runs: make(map[string]int), running: make(map[string]int)}
 }
 
-func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	key, ok := requestKey(r, l.header)
-	if !ok {
-		l.next.ServeHTTP(w, r)
-		return
+// entryName names the ledger's entry of k: the bare key, or with a scope
+// (idemserver.WithScope) the quoted scope, a space and the key, so that
+// the keys of two scopes never share an entry.
+func entryName(k idemserver.Key) string {
+	if k.Scope == "" {
+		return k.Key
 	}
+	return strconv.Quote(k.Scope) + " " + k.Key
+}
+
+func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	k, ok := idemserver.KeyFrom(r.Context())
+	if !ok {
+		// The middleware did not claim the request (its method is not
+		// covered, say): the key it carries is still what the client
+		// meant it to be deduplicated by.
+		if k.Key, ok = requestKey(r, l.header); !ok {
+			l.next.ServeHTTP(w, r)
+			return
+		}
+	}
+	key := entryName(k)
 	l.mu.Lock()
 	l.running[key]++
 	l.mu.Unlock()

@@ -3,12 +3,16 @@ package idemtest
 import (
 	"context"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // firstThenCreated serves its first request with first, and answers 201 to
@@ -138,6 +142,77 @@ func TestLedgerFollows409Rule(t *testing.T) {
 			post(t.Context(), client, srv.URL, "k")
 			assert.Equal(t, map[string]int{"k": tt.runs}, srv.Executions())
 			assert.Empty(t, srv.Duplicates())
+		})
+	}
+}
+
+// scopeBlindStore is a broken store: it ignores the scope of keys, so one
+// tenant's response is replayed to another that sent the same key.
+type scopeBlindStore struct{ idemserver.Store }
+
+func unscoped(k idemserver.Key) idemserver.Key { return idemserver.Key{Key: k.Key} }
+
+func (s scopeBlindStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	c.Key = unscoped(c.Key)
+	return s.Store.Claim(ctx, c)
+}
+
+func (s scopeBlindStore) TakeOver(ctx context.Context, c idemserver.Claim, expired string) (idemserver.ClaimResult, error) {
+	c.Key = unscoped(c.Key)
+	return s.Store.TakeOver(ctx, c, expired)
+}
+
+func (s scopeBlindStore) Complete(ctx context.Context, k idemserver.Key, token string, r *idemserver.Response, expires time.Time) error {
+	return s.Store.Complete(ctx, unscoped(k), token, r, expires)
+}
+
+func (s scopeBlindStore) Release(ctx context.Context, k idemserver.Key, token string) error {
+	return s.Store.Release(ctx, unscoped(k), token)
+}
+
+func (s scopeBlindStore) Extend(ctx context.Context, k idemserver.Key, token string, lease time.Time) error {
+	return s.Store.Extend(ctx, unscoped(k), token, lease)
+}
+
+// TestLedgerScopes checks that the ledger counts per scope and key, as the
+// middleware deduplicates: two tenants that send the same key make two
+// operations, each executed once, and a store that replays one tenant's
+// response to the other leaves an operation unexecuted.
+func TestLedgerScopes(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		blind bool
+		runs  map[string]int
+	}{
+		{"scoped store", false, map[string]int{`"a" k`: 1, `"b" k`: 1}},
+		{"store ignores the scope", true, map[string]int{`"a" k`: 1}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			mem := idemserver.NewMemoryStore()
+			defer mem.Close()
+			var store idemserver.Store = mem
+			if tt.blind {
+				store = scopeBlindStore{mem}
+			}
+			srv := NewServer(created, WithStore(store), WithMiddleware(idemserver.WithScope(
+				func(r *http.Request) string { return r.Header.Get("Tenant") })))
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+			for _, tenant := range []string{"a", "b", "a", "b"} {
+				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("{}"))
+				require.NoError(t, err)
+				req.Header.Set(idemserver.DefaultKeyHeader, "k")
+				req.Header.Set("Tenant", tenant)
+				resp, err := client.Do(req)
+				require.NoError(t, err)
+				resp.Body.Close()
+				assert.Equal(t, http.StatusCreated, resp.StatusCode)
+			}
+			assert.Equal(t, tt.runs, srv.Executions())
+			assert.Empty(t, srv.Duplicates())
+			rec := &recordingTB{TB: t}
+			assert.Equal(t, !tt.blind, srv.AssertExactlyOnce(rec, 2), "%v", rec.errors)
 		})
 	}
 }

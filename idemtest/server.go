@@ -82,12 +82,16 @@ func (s *Server) Client(opts ...idemhttp.Option) *http.Client {
 
 // Executions returns how many times the handler executed, per idempotency
 // key: the runs that ended with an outcome the middleware keeps (see the
-// package documentation). Requests without a key are not counted, nor are
-// runs that have not ended yet. The map is a copy.
+// package documentation). With a scope (idemserver.WithScope) the entries
+// are per scope and key, named by the quoted scope, a space and the key,
+// since the same key in two scopes names two operations. Requests without
+// a key are not counted, nor are runs that have not ended yet. The map is
+// a copy.
 func (s *Server) Executions() map[string]int { return s.ledger.executions() }
 
-// Duplicates returns the idempotency keys the handler executed more than
-// once, sorted. It is empty when the server kept its promise.
+// Duplicates returns the entries of [Server.Executions] that the handler
+// executed more than once, sorted. It is empty when the server kept its
+// promise.
 func (s *Server) Duplicates() []string { return s.ledger.duplicates() }
 
 // Stats returns the counts of what the fault injector did.
