@@ -40,12 +40,21 @@
 // left its status to the implicit 200 runs again on the retry, and the
 // ledger shows it as a duplicate.
 //
+// The ledger also keeps the answers of those executions, and the fault
+// injector, in front of the middleware, checks every response marked
+// Idempotent-Replayed against them: a retry must get the first answer,
+// its status and body, and nothing may be replayed for a key whose runs
+// gave no answer to keep (a stored 200 for a run that gave up when its
+// client left tells the client of an outcome that never happened).
+//
 // A client and handler that are exactly-once leave one key per logical
 // operation in the ledger, each executed once, whatever the faults: an
-// operation sent twice with two keys shows as one key too many, and a key
+// operation sent twice with two keys shows as one key too many, a key
 // executed twice (because the middleware was bypassed, misconfigured or
-// its store forgot the key) as a duplicate. [Server.Executions],
-// [Server.Duplicates] and [Server.AssertExactlyOnce] read the ledger.
+// its store forgot the key) as a duplicate, and a retry told something
+// else than the first answer as a wrong replay. [Server.Executions],
+// [Server.Duplicates], [Server.WrongReplays] and [Server.AssertExactlyOnce]
+// read the ledger.
 //
 // # Repeatable faults
 //

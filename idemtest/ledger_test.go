@@ -146,6 +146,126 @@ func TestLedgerFollows409Rule(t *testing.T) {
 	}
 }
 
+// storeOutcomeOnRelease is a broken store: it keeps an empty 200 as the
+// outcome of a claim the middleware releases, as a middleware that stored
+// the implicit 200 of a handler that gave up would.
+type storeOutcomeOnRelease struct{ idemserver.Store }
+
+func (s storeOutcomeOnRelease) Release(ctx context.Context, key idemserver.Key, token string) error {
+	return s.Complete(ctx, key, token, &idemserver.Response{Status: http.StatusOK}, time.Now().Add(time.Hour))
+}
+
+// tamperingStore is a broken store: it replays every stored response with
+// its status or body changed.
+type tamperingStore struct {
+	idemserver.Store
+	change func(*idemserver.Response)
+}
+
+func (s tamperingStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	res, err := s.Store.Claim(ctx, c)
+	if err == nil && !res.Claimed && res.Record.Completed() {
+		changed := *res.Record.Response
+		s.change(&changed)
+		res.Record.Response = &changed
+	}
+	return res, err
+}
+
+// TestWrongReplaysCaught checks that the assertion fails when a retry is
+// told something other than the handler's first answer, including a
+// success for a run that never acted, and that honest replays of responses
+// the middleware changes on purpose pass.
+func TestWrongReplaysCaught(t *testing.T) {
+	// gaveUp answers nothing to its first request, whose client has gone:
+	// it did not act. The others act and answer 201.
+	gaveUp := func(entered chan<- struct{}) http.Handler {
+		return firstThenCreated(func(w http.ResponseWriter, r *http.Request) {
+			close(entered)
+			<-r.Context().Done()
+		})
+	}
+	for _, tt := range []struct {
+		name    string
+		handler func(entered chan<- struct{}) http.Handler
+		store   func(idemserver.Store) idemserver.Store
+		opts    []Option
+		wrong   string // in the assertion's message; empty when it passes
+	}{
+		{name: "empty 200 stored for a run that gave up", handler: gaveUp,
+			store: func(s idemserver.Store) idemserver.Store { return storeOutcomeOnRelease{s} },
+			wrong: "k (replayed 200 with a 0-byte body e3b0c442; the handler gave no answer to keep)"},
+		{name: "run that gave up, released", handler: gaveUp},
+		{name: "different body",
+			store: func(s idemserver.Store) idemserver.Store {
+				return tamperingStore{s, func(r *idemserver.Response) { r.Body = []byte("other") }}
+			},
+			wrong: "k (replayed 201 with a 5-byte body"},
+		{name: "different status",
+			store: func(s idemserver.Store) idemserver.Store {
+				return tamperingStore{s, func(r *idemserver.Response) { r.Status = http.StatusOK }}
+			},
+			wrong: "the handler answered 201 with a 7-byte body"},
+		{name: "different body, replay lost",
+			store: func(s idemserver.Store) idemserver.Store {
+				return tamperingStore{s, func(r *idemserver.Response) { r.Body = nil }}
+			},
+			opts:  []Option{WithFaults(Faults{LoseResponse: 1})},
+			wrong: "k (replayed 201 with a 0-byte body"},
+		{name: "response too large to keep",
+			opts: []Option{WithMiddleware(idemserver.WithMaxResponseBytes(3))}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			mem := idemserver.NewMemoryStore()
+			defer mem.Close()
+			var store idemserver.Store = mem
+			if tt.store != nil {
+				store = tt.store(mem)
+			}
+			entered := make(chan struct{})
+			h := http.Handler(created)
+			if tt.handler != nil {
+				h = tt.handler(entered)
+			} else {
+				close(entered)
+			}
+			srv := NewServer(h, append(tt.opts, WithStore(store))...)
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+
+			first := t.Context()
+			if tt.handler != nil {
+				ctx, giveUp := context.WithCancel(t.Context())
+				go func() { <-entered; giveUp() }()
+				first = ctx
+			}
+			post(first, client, srv.URL, "k")
+			var o outcome
+			for o = post(t.Context(), client, srv.URL, "k"); o.status == http.StatusConflict; {
+				o = post(t.Context(), client, srv.URL, "k") // a release may still be on its way
+			}
+			post(t.Context(), client, srv.URL, "k")
+			srv.Close()
+
+			rec := &recordingTB{TB: t}
+			ok := srv.AssertExactlyOnce(rec, 1)
+			if tt.wrong == "" {
+				assert.Empty(t, srv.WrongReplays())
+				if tt.handler == nil {
+					assert.True(t, ok, "%v", rec.errors)
+				} // else the silent run counts (TestLedgerCountsSilentRunAfterClientLeft)
+				return
+			}
+			assert.False(t, ok)
+			require.Len(t, rec.errors, 1)
+			assert.Contains(t, rec.errors[0], "replays were not the handler's answer: ")
+			assert.Contains(t, rec.errors[0], tt.wrong)
+			assert.NotEmpty(t, srv.WrongReplays())
+		})
+	}
+}
+
 // scopeBlindStore is a broken store: it ignores the scope of keys, so one
 // tenant's response is replayed to another that sent the same key.
 type scopeBlindStore struct{ idemserver.Store }
