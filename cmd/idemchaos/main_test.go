@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -136,7 +137,8 @@ func TestReportReadsLedger(t *testing.T) {
 			"charged op-3 d4 0"), 0o644))
 	require.NoError(t, os.WriteFile(f.clientLog, []byte(
 		"done op-1 201 false\ndone op-2 201 true\ndone op-3 201 false\ndone op-4 409 false\n"+
-			"done op-6 201 false\ndone op-7 201 false\ndone op-8 201 false\ndone op-5 201"), 0o644))
+			"done op-6 201 false\ndone op-7 201 false\ndone op-8 201 false\ndone op-1 201 true\nwrong op-1\n"+
+			"wrong op-1\ndone op-5 201"), 0o644))
 	r := &report{scenario: &scenario{ops: 8, spec: storeSpec{name: "postgres"}}}
 	require.NoError(t, r.read(f, nil))
 	assert.Equal(t, map[string]int{"op-1": 1, "op-2": 2, "op-3": 0, "op-4": 0, "op-5": 0, "op-6": 1, "op-7": 1, "op-8": 1},
@@ -148,13 +150,16 @@ func TestReportReadsLedger(t *testing.T) {
 	assert.Equal(t, []string{"op-5"}, r.unfinished)           // so was op-5's
 	assert.Equal(t, []string{"op-4 (409)"}, r.refused)
 	assert.Equal(t, []string{"op-9"}, r.strangers)
-	assert.Equal(t, 1, r.replaysReceived)
+	assert.Equal(t, []string{"op-1"}, r.wrong)
+	assert.Equal(t, 2, r.replaysReceived)
 	assert.True(t, r.failed())
 
 	var out bytes.Buffer
 	r.print(&out)
 	assert.Contains(t, out.String(), "\nduplicates: 2\n")
 	assert.Contains(t, out.String(), "\nlost: 3\n")
+	assert.Contains(t, out.String(), "\nwrong answers: 1\n")
+	assert.Contains(t, out.String(), "\noperations answered 201 with a body other than their receipt: op-1\n")
 	assert.Contains(t, out.String(), "\nre-executions after server kills: 2\n")
 	assert.Contains(t, out.String(), "\nre-executions after claims left in progress: 1\n")
 	assert.Contains(t, out.String(), "\nduplicated operations: op-2 (2 executions), op-7 (run 1 more times by one server process)\n")
@@ -231,6 +236,47 @@ func TestUnsettledObserver(t *testing.T) {
 				return
 			}
 			assert.Equal(t, [][]string{{kindUnsettled, "op-1", key.Derive("charge"), "3"}}, lines)
+		})
+	}
+}
+
+// TestWorkerChecksTheAnswer checks that the client worker records an
+// operation answered 201 with a body other than its receipt, such as a
+// replay of another answer, which the report then counts as wrong.
+func TestWorkerChecksTheAnswer(t *testing.T) {
+	for _, tt := range []struct {
+		name, body string
+		wrong      bool
+	}{
+		{"receipt", receiptOf("op-1"), false},
+		{"another operation's receipt", receiptOf("op-2"), true},
+		{"empty", "", true},
+		{"receipt and more", receiptOf("op-1") + " ", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set(idemserver.ReplayedHeader, "true")
+				w.WriteHeader(http.StatusCreated)
+				_, _ = io.WriteString(w, tt.body)
+			}))
+			defer srv.Close()
+			path := filepath.Join(t.TempDir(), "log")
+			log, err := openLineLog(path)
+			require.NoError(t, err)
+			defer log.Close()
+			w := &worker{client: srv.Client(), log: log, url: srv.URL}
+			require.NoError(t, w.complete(t.Context(), "op-1"))
+
+			lines, err := readLines(path)
+			require.NoError(t, err)
+			want := [][]string{{"done", "op-1", "201", "true"}}
+			if tt.wrong {
+				want = append(want, []string{"wrong", "op-1"})
+			}
+			assert.Equal(t, want, lines)
+			r := &report{scenario: &scenario{ops: 1, spec: storeSpec{name: "memory"}}}
+			require.NoError(t, r.read(files{ledger: filepath.Join(t.TempDir(), "none"), clientLog: path}, nil))
+			assert.Equal(t, tt.wrong, len(r.wrong) == 1)
 		})
 	}
 }

@@ -25,9 +25,11 @@ type report struct {
 	// handler one server process ran more than once (which the middleware
 	// must prevent, whatever the provider then did); lost those paid
 	// never; unfinished those the client never recorded done; refused
-	// those whose final status was not 201; and strangers the operations
-	// in the ledger that the scenario does not have.
-	duplicated, lost, unfinished, refused, strangers []string
+	// those whose final status was not 201; wrong those answered 201
+	// with a body other than their receipt (a replay of another answer);
+	// and strangers the operations in the ledger that the scenario does
+	// not have.
+	duplicated, lost, unfinished, refused, wrong, strangers []string
 	// reexecuted counts the handler's runs for a payment already charged,
 	// each by a later server process than the run before it: after a
 	// server kill between the charge and the stored response, the lease
@@ -106,6 +108,10 @@ func (r *report) read(f files, payments []entry) error {
 	}
 	done := make(map[string]bool)
 	for _, l := range log {
+		if l[0] == "wrong" && len(l) == 2 {
+			r.wrong = append(r.wrong, l[1])
+			continue
+		}
 		if l[0] != "done" || len(l) < 4 {
 			return fmt.Errorf("client log: unexpected line %q", strings.Join(l, " "))
 		}
@@ -137,12 +143,14 @@ func (r *report) read(f files, payments []entry) error {
 	}
 	slices.Sort(r.strangers)
 	slices.Sort(r.refused)
+	slices.Sort(r.wrong)
+	r.wrong = slices.Compact(r.wrong)
 	return nil
 }
 
 // failed reports whether the run broke the promise or did not finish.
 func (r *report) failed() bool {
-	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.strangers) > 0
+	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.wrong)+len(r.strangers) > 0
 }
 
 func (r *report) print(w io.Writer) {
@@ -165,6 +173,7 @@ func (r *report) print(w io.Writer) {
 		p.ResetBefore, p.LostResponses, p.Unavailable, p.TooManyRequests, p.Stalled, p.Delayed)
 	fmt.Fprintf(w, "duplicates: %d\n", len(r.duplicated))
 	fmt.Fprintf(w, "lost: %d\n", len(r.lost))
+	fmt.Fprintf(w, "wrong answers: %d\n", len(r.wrong))
 	if sc.spec.transactional() {
 		fmt.Fprintf(w, "handler runs rolled back: %d\n", r.rolledBack)
 	} else {
@@ -188,6 +197,7 @@ func (r *report) print(w io.Writer) {
 		{"lost operations (never executed)", r.lost},
 		{"unfinished operations (never recorded done by the client)", r.unfinished},
 		{"operations refused (final status other than 201)", r.refused},
+		{"operations answered 201 with a body other than their receipt", r.wrong},
 		{"executed operations not in the scenario", r.strangers},
 	} {
 		if len(l.ops) > 0 {

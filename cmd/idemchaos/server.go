@@ -188,5 +188,9 @@ func receipt(w http.ResponseWriter, op string) {
 	time.Sleep(afterEffect)
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusCreated)
-	fmt.Fprintf(w, `{"op":%q,"status":"paid"}`, op)
+	_, _ = io.WriteString(w, receiptOf(op))
 }
+
+// receiptOf is the body of op's receipt: every answer to op, first or
+// replayed, must be exactly this.
+func receiptOf(op string) string { return fmt.Sprintf(`{"op":%q,"status":"paid"}`, op) }
