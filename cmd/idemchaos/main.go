@@ -33,8 +33,8 @@
 //
 // At the end every payment must have been driven to completion, so the
 // ledger must hold each operation exactly once: an operation paid more than
-// once, or whose handler one server process ran twice without cause, is a
-// duplicate; one paid never is lost. Every answer the client accepts, first
+// once, or whose handler one server process ran twice without cause, or a
+// later server ran again after its outcome was stored, is a duplicate; one paid never is lost. Every answer the client accepts, first
 // or replayed, must be the operation's own receipt; one that is not is a
 // wrong answer. The report has lines that read "duplicates: N", "lost: N"
 // and "wrong answers: N", and counts the attempts (requests that reached

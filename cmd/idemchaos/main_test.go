@@ -199,25 +199,26 @@ func TestReportReadsPaymentsTable(t *testing.T) {
 	assert.ErrorContains(t, r.read(f, payments), `ledger: line "charged op-1 d1 0" does not belong to store postgres-tx`)
 }
 
-// TestUnsettledObserver checks which of the middleware's events the server
-// records as claims left in progress: those after which a retry runs the
-// handler again in the same server process.
-func TestUnsettledObserver(t *testing.T) {
+// TestObserver checks which of the middleware's events the server records
+// as claims left in progress (those after which a retry runs the handler
+// again in the same server process), and which as outcomes the store kept
+// (after which no server may run it again).
+func TestObserver(t *testing.T) {
 	key := idemserver.Key{Key: "k1"}
 	tests := []struct {
 		name string
 		ev   idemserver.Event
-		want bool
+		want string // the kind of entry recorded; empty for none
 	}{
-		{"executed and stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201}, false},
+		{"executed and stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201}, kindKept},
 		{"executed, not stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201,
-			Err: errors.New("store down")}, true},
+			Err: errors.New("store down")}, kindUnsettled},
 		{"lease lost at completion", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
-			Err: fmt.Errorf("complete: %w", idemserver.ErrLeaseLost)}, true},
-		{"released", idemserver.Event{Outcome: idemserver.OutcomeReleased, Status: 500}, false},
+			Err: fmt.Errorf("complete: %w", idemserver.ErrLeaseLost)}, kindUnsettled},
+		{"released", idemserver.Event{Outcome: idemserver.OutcomeReleased, Status: 500}, ""},
 		{"store unavailable", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
-			Err: errors.New("store down")}, false},
-		{"replayed", idemserver.Event{Outcome: idemserver.OutcomeReplayed, Status: 201}, false},
+			Err: errors.New("store down")}, ""},
+		{"replayed", idemserver.Event{Outcome: idemserver.OutcomeReplayed, Status: 201}, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -227,17 +228,49 @@ func TestUnsettledObserver(t *testing.T) {
 			r := httptest.NewRequest(http.MethodPost, "/pay/op-1", nil)
 			r.SetPathValue("op", "op-1")
 			tt.ev.Request, tt.ev.Key = r, key
-			unsettled(p)(tt.ev)
+			observe(p)(tt.ev)
 			require.NoError(t, p.Close())
 			lines, err := readLines(path)
 			require.NoError(t, err)
-			if !tt.want {
+			kept, err := readLines(keptPath(path))
+			require.NoError(t, err)
+			want := [][]string{{tt.want, "op-1", key.Derive("charge"), "3"}}
+			switch tt.want {
+			case "":
 				assert.Empty(t, lines)
-				return
+				assert.Empty(t, kept)
+			case kindKept:
+				assert.Empty(t, lines, "kept entries stay out of the ledger the scenario watches")
+				assert.Equal(t, want, kept)
+			default:
+				assert.Equal(t, want, lines)
+				assert.Empty(t, kept)
 			}
-			assert.Equal(t, [][]string{{kindUnsettled, "op-1", key.Derive("charge"), "3"}}, lines)
 		})
 	}
+}
+
+// TestReportForgottenKey checks that a run by a later server for a charge
+// whose outcome an earlier server had kept is a duplicate: the store forgot
+// a completed key. A run after a server that was killed before it kept the
+// outcome is the takeover lease mode allows.
+func TestReportForgottenKey(t *testing.T) {
+	dir := t.TempDir()
+	f := files{ledger: filepath.Join(dir, "ledger"), clientLog: filepath.Join(dir, "log")}
+	require.NoError(t, os.WriteFile(f.ledger, []byte(
+		"charged op-1 d1 0\nrepeated op-1 d1 1\n"+ // server 0 was killed before keeping the outcome
+			"charged op-2 d2 0\nrepeated op-2 d2 1\nrepeated op-2 d2 2\n"), 0o644)) // server 1 kept it
+	require.NoError(t, os.WriteFile(keptPath(f.ledger), []byte(
+		"kept op-1 d1 1\nkept op-2 d2 1\nkept op-2 d2 2\n"), 0o644))
+	require.NoError(t, os.WriteFile(f.clientLog, []byte("done op-1 201 false\ndone op-2 201 true\n"), 0o644))
+	r := &report{scenario: &scenario{ops: 2, spec: storeSpec{name: "redis"}}}
+	require.NoError(t, r.read(f, nil))
+	assert.Equal(t, 2, r.reexecuted) // op-1's by server 1, op-2's by server 1
+	assert.Equal(t, []string{"op-2 (run 1 more times by a later server after its outcome was kept)"}, r.duplicated)
+	assert.True(t, r.failed())
+
+	require.NoError(t, os.WriteFile(keptPath(f.ledger), []byte("kept op-2 d2 x\n"), 0o644))
+	assert.ErrorContains(t, (&report{scenario: r.scenario}).read(f, nil), `unexpected kept line "kept op-2 d2 x"`)
 }
 
 // TestWorkerChecksTheAnswer checks that the client worker records an

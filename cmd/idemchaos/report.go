@@ -31,9 +31,11 @@ type report struct {
 	// not have.
 	duplicated, lost, unfinished, refused, wrong, strangers []string
 	// reexecuted counts the handler's runs for a payment already charged,
-	// each by a later server process than the run before it: after a
-	// server kill between the charge and the stored response, the lease
-	// ended and a retry took the claim over. unsettledRuns counts those by
+	// each by a later server process than the run before it, no earlier
+	// server having kept the outcome: after a server kill between the
+	// charge and the stored response, the lease ended and a retry took the
+	// claim over. A run after an earlier server kept the outcome found the
+	// key forgotten, and is a duplicate. unsettledRuns counts those by
 	// the same server process after the middleware reported the claim
 	// left in progress (the store failed to keep the outcome, or the lease
 	// was lost). The provider deduplicated both by the derived key.
@@ -75,9 +77,24 @@ func (r *report) read(f files, payments []entry) error {
 		}
 	}
 	r.rolledBack = max(runs-len(payments), 0)
+	kept, err := readLines(keptPath(f.ledger))
+	if err != nil {
+		return err
+	}
+	keptBy := make(map[string]int) // the first server that kept each charge key's outcome
+	for _, l := range kept {
+		e, err := parseEntry(l)
+		if err != nil || e.kind != kindKept {
+			return fmt.Errorf("ledger: unexpected kept line %q", strings.Join(l, " "))
+		}
+		if s, ok := keptBy[e.key]; !ok || e.server < s {
+			keptBy[e.key] = e.server
+		}
+	}
 	lastServer := make(map[string]int) // of each operation's last run
 	unsettled := make(map[string]bool) // since the operation's last run
 	againByOne := make(map[string]int) // runs again by the same process
+	forgotten := make(map[string]int)  // runs again after an earlier server kept the outcome
 	for _, e := range effects {
 		if _, ok := r.executions[e.op]; !ok {
 			r.strangers = append(r.strangers, e.op)
@@ -92,6 +109,10 @@ func (r *report) read(f files, payments []entry) error {
 		case kindRepeated:
 			switch last, ok := lastServer[e.op]; {
 			case ok && e.server > last:
+				if s, kept := keptBy[e.key]; kept && s < e.server {
+					forgotten[e.op]++
+					break
+				}
 				r.reexecuted++
 			case unsettled[e.op]:
 				r.unsettledRuns++
@@ -133,6 +154,9 @@ func (r *report) read(f files, payments []entry) error {
 		}
 		if n := againByOne[op]; n > 0 {
 			why = append(why, fmt.Sprintf("run %d more times by one server process", n))
+		}
+		if n := forgotten[op]; n > 0 {
+			why = append(why, fmt.Sprintf("run %d more times by a later server after its outcome was kept", n))
 		}
 		if len(why) > 0 {
 			r.duplicated = append(r.duplicated, op+" ("+strings.Join(why, ", ")+")")
