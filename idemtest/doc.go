@@ -38,7 +38,12 @@
 // a status once its context had ended is counted, although the middleware
 // releases its key (taking it not to have acted): a handler that acted and
 // left its status to the implicit 200 runs again on the retry, and the
-// ledger shows it as a duplicate.
+// ledger shows it as a duplicate. With a store that holds responses
+// (idemserver.ResponseHolder, such as a transactional store), a run whose
+// work the store discarded, and which the middleware then ran again in the
+// same request (idemserver.ErrRetryRequest), is not counted; a run that was
+// rolled back and answered 503 still is, as the ledger cannot see the
+// rollback, so its retry shows as a duplicate.
 //
 // The ledger also keeps the answers of those executions, and the fault
 // injector, in front of the middleware, checks every response marked

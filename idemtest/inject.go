@@ -113,13 +113,13 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // pass lets r through to next, counts the response if it is a replay, and
 // hands a replay to the check.
 func (in *injector) pass(w http.ResponseWriter, r *http.Request) {
-	if in.check == nil {
+	if in.check == nil { // a Proxy's: no ledger behind it
 		in.next.ServeHTTP(w, r)
 		in.countReplayed(w.Header())
 		return
 	}
 	rw := &replayWriter{ResponseWriter: w}
-	in.next.ServeHTTP(rw, r)
+	in.next.ServeHTTP(rw, withRequestRuns(r))
 	in.countReplayed(w.Header())
 	if rw.replay && r.Method != http.MethodHead {
 		if key, ok := requestKey(r, in.header); ok {

@@ -2,6 +2,7 @@ package idemtest
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"fmt"
 	"hash"
@@ -22,6 +23,11 @@ import (
 type ledger struct {
 	next   http.Handler
 	header string
+	// hold is set when the store holds responses (idemserver.ResponseHolder):
+	// the middleware then runs a request again when the store discarded
+	// everything its run did (idemserver.ErrRetryRequest), and only the
+	// last run of a request counts.
+	hold bool
 
 	mu   sync.Mutex
 	runs map[string]int
@@ -46,9 +52,25 @@ type answer struct {
 	sum    [sha256.Size]byte
 }
 
-func newLedger(next http.Handler, header string) *ledger {
-	return &ledger{next: next, header: header, runs: make(map[string]int), running: make(map[string]int),
+func newLedger(next http.Handler, header string, hold bool) *ledger {
+	return &ledger{next: next, header: header, hold: hold, runs: make(map[string]int), running: make(map[string]int),
 		kept: make(map[string][]answer), seen: make(map[string]bool)}
+}
+
+// requestRuns is the ledger's note, in the context of a request the fault
+// injector passed on, of the request's last counted run.
+type requestRuns struct {
+	counted bool
+	name    string
+	key     string
+	kept    *answer
+}
+
+type requestRunsKey struct{}
+
+// withRequestRuns returns r with a note for the ledger in its context.
+func withRequestRuns(r *http.Request) *http.Request {
+	return r.WithContext(context.WithValue(r.Context(), requestRunsKey{}, new(requestRuns)))
 }
 
 // entryName names the ledger's entry of k: the bare key, or with a scope
@@ -73,7 +95,16 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	name := entryName(k)
+	var note *requestRuns
+	if l.hold {
+		note, _ = r.Context().Value(requestRunsKey{}).(*requestRuns)
+	}
 	l.mu.Lock()
+	if note != nil && note.counted {
+		// The middleware runs the request again: the store discarded all
+		// that the last run did, which is no execution.
+		l.uncount(note)
+	}
 	l.running[name]++
 	l.seen[k.Key] = true
 	l.mu.Unlock()
@@ -94,14 +125,34 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		if returned && !sw.releases {
 			l.runs[name]++
+			var kept *answer
 			if !silentAfterEnd {
-				l.kept[k.Key] = append(l.kept[k.Key], sw.answer())
+				a := sw.answer()
+				kept = &a
+				l.kept[k.Key] = append(l.kept[k.Key], a)
+			}
+			if note != nil {
+				*note = requestRuns{counted: true, name: name, key: k.Key, kept: kept}
 			}
 		}
 		l.mu.Unlock()
 	}()
 	l.next.ServeHTTP(sw, r)
 	returned = true
+}
+
+// uncount takes back the run note counted. l.mu must be held.
+func (l *ledger) uncount(note *requestRuns) {
+	if l.runs[note.name]--; l.runs[note.name] == 0 {
+		delete(l.runs, note.name)
+	}
+	if note.kept != nil {
+		kept := l.kept[note.key]
+		if i := slices.Index(kept, *note.kept); i >= 0 {
+			l.kept[note.key] = slices.Delete(kept, i, i+1)
+		}
+	}
+	note.counted = false
 }
 
 // checkReplay checks a response the middleware replayed for the bare key:

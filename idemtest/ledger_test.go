@@ -2,6 +2,7 @@ package idemtest
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync"
@@ -333,6 +334,72 @@ func TestLedgerScopes(t *testing.T) {
 			assert.Empty(t, srv.Duplicates())
 			rec := &recordingTB{TB: t}
 			assert.Equal(t, !tt.blind, srv.AssertExactlyOnce(rec, 2), "%v", rec.errors)
+		})
+	}
+}
+
+// discardingStore holds responses, as a store that commits the handler's
+// work with the outcome does, and discards the first run of each request
+// it is given: it releases the claim, as a rolled-back transaction would,
+// and asks the middleware to run the request again.
+type discardingStore struct {
+	idemserver.Store
+	discards atomic.Int32 // how many more Completes to discard
+}
+
+func (s *discardingStore) HoldResponses() bool { return true }
+
+func (s *discardingStore) Complete(ctx context.Context, key idemserver.Key, token string, r *idemserver.Response, expires time.Time) error {
+	if s.discards.Add(-1) >= 0 {
+		if err := s.Store.Release(ctx, key, token); err != nil {
+			return err
+		}
+		return fmt.Errorf("serialization failure: %w", idemserver.ErrRetryRequest)
+	}
+	return s.Store.Complete(ctx, key, token, r, expires)
+}
+
+// TestLedgerDiscardedRunIsNoExecution checks that a run whose work a store
+// that holds responses discarded, and which the middleware then ran again
+// in the same request, is not counted, while two requests that both run
+// the handler through such a store still make a duplicate.
+func TestLedgerDiscardedRunIsNoExecution(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		discards int32
+		store    func(idemserver.Store) idemserver.Store
+		runs     int
+	}{
+		{"first run discarded", 1, nil, 1},
+		{"two runs discarded", 2, nil, 1},
+		{"store forgets the key", 0, func(s idemserver.Store) idemserver.Store { return forgetfulStore{s} }, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			mem := idemserver.NewMemoryStore()
+			defer mem.Close()
+			var inner idemserver.Store = mem
+			if tt.store != nil {
+				inner = tt.store(mem)
+			}
+			store := &discardingStore{Store: inner}
+			store.discards.Store(tt.discards)
+			var calls atomic.Int32
+			srv := NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				calls.Add(1)
+				created(w, r)
+			}), WithStore(store))
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+
+			assert.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "k"))
+			second := post(t.Context(), client, srv.URL, "k")
+			assert.Equal(t, http.StatusCreated, second.status)
+			assert.Equal(t, tt.discards+int32(tt.runs), calls.Load(), "the handler's runs")
+			assert.Equal(t, map[string]int{"k": tt.runs}, srv.Executions())
+			rec := &recordingTB{TB: t}
+			assert.Equal(t, tt.runs == 1, srv.AssertExactlyOnce(rec, 1), "%v", rec.errors)
+			assert.Empty(t, srv.WrongReplays())
 		})
 	}
 }

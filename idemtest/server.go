@@ -56,7 +56,8 @@ func NewServer(h http.Handler, opts ...Option) *Server {
 		s.ownStore = idemserver.NewMemoryStore()
 		store = s.ownStore
 	}
-	s.ledger = newLedger(h, cfg.header)
+	holder, ok := store.(idemserver.ResponseHolder)
+	s.ledger = newLedger(h, cfg.header, ok && holder.HoldResponses())
 	mw := idemserver.Middleware(store, append(cfg.middleware, idemserver.WithKeyHeader(cfg.header))...)
 	s.injector = newInjector(mw(s.ledger), cfg.faults, cfg.seed, cfg.header, s.done, s.ledger.checkReplay)
 	s.ts = httptest.NewServer(s.injector)
