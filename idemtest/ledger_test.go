@@ -147,6 +147,17 @@ func TestLedgerFollows409Rule(t *testing.T) {
 	}
 }
 
+// memoryStore returns a memory store, closed when the test ends, wrapped
+// in wrap unless it is nil.
+func memoryStore(t *testing.T, wrap func(idemserver.Store) idemserver.Store) idemserver.Store {
+	mem := idemserver.NewMemoryStore()
+	t.Cleanup(func() { _ = mem.Close() })
+	if wrap == nil {
+		return mem
+	}
+	return wrap(mem)
+}
+
 // storeOutcomeOnRelease is a broken store: it keeps an empty 200 as the
 // outcome of a claim the middleware releases, as a middleware that stored
 // the implicit 200 of a handler that gave up would.
@@ -217,12 +228,7 @@ func TestWrongReplaysCaught(t *testing.T) {
 			opts: []Option{WithMiddleware(idemserver.WithMaxResponseBytes(3))}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			mem := idemserver.NewMemoryStore()
-			defer mem.Close()
-			var store idemserver.Store = mem
-			if tt.store != nil {
-				store = tt.store(mem)
-			}
+			store := memoryStore(t, tt.store)
 			entered := make(chan struct{})
 			h := http.Handler(created)
 			if tt.handler != nil {
@@ -309,12 +315,11 @@ func TestLedgerScopes(t *testing.T) {
 		{"store ignores the scope", true, map[string]int{`"a" k`: 1}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			mem := idemserver.NewMemoryStore()
-			defer mem.Close()
-			var store idemserver.Store = mem
+			var wrap func(idemserver.Store) idemserver.Store
 			if tt.blind {
-				store = scopeBlindStore{mem}
+				wrap = func(s idemserver.Store) idemserver.Store { return scopeBlindStore{s} }
 			}
+			store := memoryStore(t, wrap)
 			srv := NewServer(created, WithStore(store), WithMiddleware(idemserver.WithScope(
 				func(r *http.Request) string { return r.Header.Get("Tenant") })))
 			defer srv.Close()
@@ -375,13 +380,7 @@ func TestLedgerDiscardedRunIsNoExecution(t *testing.T) {
 		{"store forgets the key", 0, func(s idemserver.Store) idemserver.Store { return forgetfulStore{s} }, 2},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			mem := idemserver.NewMemoryStore()
-			defer mem.Close()
-			var inner idemserver.Store = mem
-			if tt.store != nil {
-				inner = tt.store(mem)
-			}
-			store := &discardingStore{Store: inner}
+			store := &discardingStore{Store: memoryStore(t, tt.store)}
 			store.discards.Store(tt.discards)
 			var calls atomic.Int32
 			srv := NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
