@@ -3,6 +3,7 @@ package idemserver
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -164,6 +165,7 @@ func TestRetryRequestRerunsTheHandler(t *testing.T) {
 				} else {
 					w.WriteHeader(http.StatusCreated)
 				}
+				_, _ = io.WriteString(w, "attempt "+itoa(n))
 			}))
 			outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				w.Header().Set("X-Request-Id", "outer")
@@ -176,9 +178,15 @@ func TestRetryRequestRerunsTheHandler(t *testing.T) {
 			if tt.answer == http.StatusCreated {
 				assert.Equal(t, []string{itoa(runs.Load())}, w.Header()["X-Attempt"], "only the last attempt's fields")
 				assert.Equal(t, []string{"b"}, w.Header()["X-Body"], "every attempt reads the body")
+				assert.Equal(t, "attempt "+itoa(runs.Load()), w.Body.String(), "only the last attempt's body")
 			}
 			require.Len(t, events, 1)
 			assert.Equal(t, tt.outcome, events[0].Outcome)
+			if tt.answer == http.StatusCreated {
+				replay := serve(outer, newRequest(http.MethodPost, "/x", "k", "b"))
+				assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+				assert.Equal(t, w.Body.String(), replay.Body.String(), "the replay is the first answer")
+			}
 		})
 	}
 }

@@ -357,7 +357,9 @@ func (c *recorder) response() *Response {
 // A handler that wrongly writes after it returned can then no longer
 // reach them.
 func (c *recorder) release(bufs *buffers) {
-	bufs.fields, bufs.respBody = c.fields, c.body
+	// Emptied: a run the store asked for again records its body into the
+	// same buffer, and must not follow the discarded run's.
+	bufs.fields, bufs.respBody = c.fields, c.body[:0]
 	c.fields, c.body = nil, nil
 }
 

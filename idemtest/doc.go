@@ -25,7 +25,9 @@
 //
 // The middleware deduplicates requests by their idempotency key, as it
 // would in production. The ledger, just in front of the handler, counts the
-// handler's executions per idempotency key. An execution is a run of the
+// handler's executions per idempotency key, as the middleware keeps them:
+// per scope and key when the middleware has a scope (idemserver.WithScope).
+// An execution is a run of the
 // handler that ended with an outcome the middleware keeps: the handler
 // returned a status below 500 other than 408, 425, 429, 499 and a 409 with
 // Retry-After (see [idemserver.ReleasesResponse]). A run that panicked or
@@ -36,14 +38,28 @@
 // a status once its context had ended is counted, although the middleware
 // releases its key (taking it not to have acted): a handler that acted and
 // left its status to the implicit 200 runs again on the retry, and the
-// ledger shows it as a duplicate.
+// ledger shows it as a duplicate. With a store that holds responses
+// (idemserver.ResponseHolder, such as a transactional store), a run whose
+// work the store discarded, and which the middleware then ran again in the
+// same request (idemserver.ErrRetryRequest), is not counted; a run that was
+// rolled back and answered 503 still is, as the ledger cannot see the
+// rollback, so its retry shows as a duplicate.
+//
+// The ledger also keeps the answers of those executions, and the fault
+// injector, in front of the middleware, checks every response marked
+// Idempotent-Replayed against them: a retry must get the first answer,
+// its status and body, and nothing may be replayed for a key whose runs
+// gave no answer to keep (a stored 200 for a run that gave up when its
+// client left tells the client of an outcome that never happened).
 //
 // A client and handler that are exactly-once leave one key per logical
 // operation in the ledger, each executed once, whatever the faults: an
-// operation sent twice with two keys shows as one key too many, and a key
+// operation sent twice with two keys shows as one key too many, a key
 // executed twice (because the middleware was bypassed, misconfigured or
-// its store forgot the key) as a duplicate. [Server.Executions],
-// [Server.Duplicates] and [Server.AssertExactlyOnce] read the ledger.
+// its store forgot the key) as a duplicate, and a retry told something
+// else than the first answer as a wrong replay. [Server.Executions],
+// [Server.Duplicates], [Server.WrongReplays] and [Server.AssertExactlyOnce]
+// read the ledger.
 //
 // # Repeatable faults
 //

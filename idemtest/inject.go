@@ -1,6 +1,7 @@
 package idemtest
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"net"
@@ -35,6 +36,9 @@ type injector struct {
 	header string // the idempotency key's header field, for identities
 	// done ends delays and stalls when the owner closes.
 	done <-chan struct{}
+	// check, if set, is given every replayed response that passes, with
+	// the idempotency key it was replayed for.
+	check func(key string, status int, header http.Header, body []byte)
 
 	mu       sync.Mutex
 	closed   bool
@@ -43,8 +47,10 @@ type injector struct {
 	stats    Stats
 }
 
-func newInjector(next http.Handler, f Faults, seed int64, header string, done <-chan struct{}) *injector {
-	return &injector{next: next, faults: f, seed: seed, header: header, done: done, attempts: make(map[string]uint64)}
+func newInjector(next http.Handler, f Faults, seed int64, header string, done <-chan struct{},
+	check func(key string, status int, header http.Header, body []byte)) *injector {
+	return &injector{next: next, faults: f, seed: seed, header: header, done: done, check: check,
+		attempts: make(map[string]uint64)}
 }
 
 func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -85,9 +91,7 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case faultResetBefore:
 		reset(w)
 	case faultLoseResponse:
-		lost := &discardWriter{header: make(http.Header)}
-		in.next.ServeHTTP(lost, r)
-		in.countReplayed(lost.header)
+		in.pass(&discardWriter{header: make(http.Header)}, r)
 		reset(w)
 	case faultUnavailable:
 		http.Error(w, "idemtest: injected 503", http.StatusServiceUnavailable)
@@ -102,8 +106,25 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		in.wait(r.Context(), -1)
 		reset(w)
 	default:
+		in.pass(w, r)
+	}
+}
+
+// pass lets r through to next, counts the response if it is a replay, and
+// hands a replay to the check.
+func (in *injector) pass(w http.ResponseWriter, r *http.Request) {
+	if in.check == nil { // a Proxy's: no ledger behind it
 		in.next.ServeHTTP(w, r)
 		in.countReplayed(w.Header())
+		return
+	}
+	rw := &replayWriter{ResponseWriter: w}
+	in.next.ServeHTTP(rw, withRequestRuns(r))
+	in.countReplayed(w.Header())
+	if rw.replay && r.Method != http.MethodHead {
+		if key, ok := requestKey(r, in.header); ok {
+			in.check(key, rw.status, w.Header(), rw.body.Bytes())
+		}
 	}
 }
 
@@ -195,6 +216,40 @@ func reset(w http.ResponseWriter) {
 	}
 	_ = conn.Close()
 }
+
+// replayWriter passes a response through, and keeps its status and, if it
+// is marked replayed when its header is written, its body.
+type replayWriter struct {
+	http.ResponseWriter
+	status int
+	replay bool
+	body   bytes.Buffer
+}
+
+func (w *replayWriter) WriteHeader(code int) {
+	if w.status == 0 && code >= 200 {
+		w.status = code
+		w.replay = w.Header().Get(idemserver.ReplayedHeader) == "true"
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *replayWriter) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.WriteHeader(http.StatusOK)
+	}
+	n, err := w.ResponseWriter.Write(p)
+	if w.replay {
+		w.body.Write(p[:n])
+	}
+	return n, err
+}
+
+// Flush lets a streaming handler flush through the writer.
+func (w *replayWriter) Flush() { _ = http.NewResponseController(w.ResponseWriter).Flush() }
+
+// Unwrap gives http.ResponseController the writer underneath.
+func (w *replayWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // discardWriter is the ResponseWriter of a request whose response will be
 // lost: it keeps the header fields and throws the rest away.

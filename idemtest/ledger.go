@@ -1,60 +1,199 @@
 package idemtest
 
 import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"hash"
 	"maps"
 	"net/http"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 )
 
-// ledger counts the executions of the handler behind it, per idempotency
-// key: the runs that ended with an outcome the middleware keeps.
+// ledger counts the executions of the handler behind it, per scoped
+// idempotency key: the runs that ended with an outcome the middleware
+// keeps. It also remembers those outcomes, so that every replay the
+// middleware serves can be checked against an answer the handler gave.
 type ledger struct {
 	next   http.Handler
 	header string
+	// hold is set when the store holds responses (idemserver.ResponseHolder):
+	// the middleware then runs a request again when the store discarded
+	// everything its run did (idemserver.ErrRetryRequest), and only the
+	// last run of a request counts.
+	hold bool
 
 	mu   sync.Mutex
 	runs map[string]int
 	// running counts the runs that have not ended, which runs does not
 	// count yet: an assertion made while one goes on is not final.
 	running map[string]int
+	// kept holds, per bare key (replays are checked in front of the
+	// middleware, where the scope is not known), the answers of the runs
+	// whose outcome the middleware keeps; seen marks the bare keys the
+	// handler ran for at all.
+	kept map[string][]answer
+	seen map[string]bool
+	// wrong describes the replays that matched no kept answer.
+	wrong []string
 }
 
-func newLedger(next http.Handler, header string) *ledger {
-	return &ledger{next: next, header: header, runs: make(map[string]int), running: make(map[string]int)}
+// answer is what a handler answered: its status, and its body's size and
+// SHA-256.
+type answer struct {
+	status int
+	size   int
+	sum    [sha256.Size]byte
+}
+
+func newLedger(next http.Handler, header string, hold bool) *ledger {
+	return &ledger{next: next, header: header, hold: hold, runs: make(map[string]int), running: make(map[string]int),
+		kept: make(map[string][]answer), seen: make(map[string]bool)}
+}
+
+// requestRuns is the ledger's note, in the context of a request the fault
+// injector passed on, of the request's last counted run.
+type requestRuns struct {
+	counted bool
+	name    string
+	key     string
+	kept    *answer
+}
+
+type requestRunsKey struct{}
+
+// withRequestRuns returns r with a note for the ledger in its context.
+func withRequestRuns(r *http.Request) *http.Request {
+	return r.WithContext(context.WithValue(r.Context(), requestRunsKey{}, new(requestRuns)))
+}
+
+// entryName names the ledger's entry of k: the bare key, or with a scope
+// (idemserver.WithScope) the quoted scope, a space and the key, so that
+// the keys of two scopes never share an entry.
+func entryName(k idemserver.Key) string {
+	if k.Scope == "" {
+		return k.Key
+	}
+	return strconv.Quote(k.Scope) + " " + k.Key
 }
 
 func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	key, ok := requestKey(r, l.header)
+	k, ok := idemserver.KeyFrom(r.Context())
 	if !ok {
-		l.next.ServeHTTP(w, r)
-		return
+		// The middleware did not claim the request (its method is not
+		// covered, say): the key it carries is still what the client
+		// meant it to be deduplicated by.
+		if k.Key, ok = requestKey(r, l.header); !ok {
+			l.next.ServeHTTP(w, r)
+			return
+		}
+	}
+	name := entryName(k)
+	var note *requestRuns
+	if l.hold {
+		note, _ = r.Context().Value(requestRunsKey{}).(*requestRuns)
 	}
 	l.mu.Lock()
-	l.running[key]++
+	if note != nil && note.counted {
+		// The middleware runs the request again: the store discarded all
+		// that the last run did, which is no execution.
+		l.uncount(note)
+	}
+	l.running[name]++
+	l.seen[k.Key] = true
 	l.mu.Unlock()
-	sw := &statusWriter{ResponseWriter: w}
+	sw := &statusWriter{ResponseWriter: w, body: sha256.New()}
 	returned := false
 	defer func() {
 		// A panic is not an execution, and goes on. A run that returns
 		// without a status once its context has ended is counted, though
 		// the middleware releases its key: the ledger cannot tell whether
 		// it acted, and one that did runs again on the retry, which the
-		// ledger must show. The run is counted as it stops running, so
-		// that no assertion sees it both done and in progress.
+		// ledger must show. It gave no answer, so nothing may be replayed
+		// for it. The run is counted as it stops running, so that no
+		// assertion sees it both done and in progress.
+		silentAfterEnd := sw.status == 0 && r.Context().Err() != nil
 		l.mu.Lock()
-		if l.running[key]--; l.running[key] == 0 {
-			delete(l.running, key)
+		if l.running[name]--; l.running[name] == 0 {
+			delete(l.running, name)
 		}
 		if returned && !sw.releases {
-			l.runs[key]++
+			l.runs[name]++
+			var kept *answer
+			if !silentAfterEnd {
+				a := sw.answer()
+				kept = &a
+				l.kept[k.Key] = append(l.kept[k.Key], a)
+			}
+			if note != nil {
+				*note = requestRuns{counted: true, name: name, key: k.Key, kept: kept}
+			}
 		}
 		l.mu.Unlock()
 	}()
 	l.next.ServeHTTP(sw, r)
 	returned = true
+}
+
+// uncount takes back the run note counted. l.mu must be held.
+func (l *ledger) uncount(note *requestRuns) {
+	if l.runs[note.name]--; l.runs[note.name] == 0 {
+		delete(l.runs, note.name)
+	}
+	if note.kept != nil {
+		kept := l.kept[note.key]
+		if i := slices.Index(kept, *note.kept); i >= 0 {
+			l.kept[note.key] = slices.Delete(kept, i, i+1)
+		}
+	}
+	note.counted = false
+}
+
+// checkReplay checks a response the middleware replayed for the bare key:
+// it must be an answer the handler gave for that key, and kept. A key the
+// handler never ran for here (its record was made by another server
+// sharing the store) cannot be checked. A replay of a response whose body
+// was too large to keep carries the status and a problem document of type
+// idemserver.ProblemResponseNotStored.
+func (l *ledger) checkReplay(key string, status int, header http.Header, body []byte) {
+	got := answer{status: status, size: len(body), sum: sha256.Sum256(body)}
+	omitted := strings.HasPrefix(header.Get("Content-Type"), "application/problem+json") &&
+		bytes.Contains(body, []byte(strconv.Quote(idemserver.ProblemResponseNotStored)))
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.seen[key] {
+		return
+	}
+	kept := l.kept[key]
+	for _, a := range kept {
+		if a.status == got.status && (omitted || !bodyAllowed(status) || a == got) {
+			return
+		}
+	}
+	what := "the handler gave no answer to keep"
+	if len(kept) > 0 {
+		parts := make([]string, len(kept))
+		for i, a := range kept {
+			parts[i] = a.String()
+		}
+		what = "the handler answered " + strings.Join(parts, " or ")
+	}
+	l.wrong = append(l.wrong, fmt.Sprintf("%s (replayed %v; %s)", key, got, what))
+}
+
+func (a answer) String() string {
+	return fmt.Sprintf("%d with a %d-byte body %x", a.status, a.size, a.sum[:4])
+}
+
+// bodyAllowed reports whether a response with status carries a body.
+func bodyAllowed(status int) bool {
+	return status >= 200 && status != http.StatusNoContent && status != http.StatusNotModified
 }
 
 func (l *ledger) executions() map[string]int {
@@ -89,13 +228,22 @@ func (l *ledger) duplicates() []string {
 	return dups
 }
 
+func (l *ledger) wrongReplays() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.wrong)
+}
+
 // statusWriter notes the status a handler answers with, and whether the
 // middleware releases the key after it: judged, as the middleware judges
-// it, by the header fields when the status is written.
+// it, by the header fields when the status is written. It hashes the body
+// the handler writes.
 type statusWriter struct {
 	http.ResponseWriter
 	status   int
 	releases bool
+	body     hash.Hash
+	size     int
 }
 
 func (w *statusWriter) WriteHeader(code int) {
@@ -110,7 +258,10 @@ func (w *statusWriter) Write(p []byte) (int, error) {
 	if w.status == 0 {
 		w.status = http.StatusOK
 	}
-	return w.ResponseWriter.Write(p)
+	n, err := w.ResponseWriter.Write(p)
+	w.body.Write(p[:n])
+	w.size += n
+	return n, err
 }
 
 // Flush lets a streaming handler flush through the ledger.
@@ -123,3 +274,14 @@ func (w *statusWriter) Flush() {
 
 // Unwrap gives http.ResponseController the writer underneath.
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// answer returns what the handler answered; a handler that wrote nothing
+// answered the implicit 200.
+func (w *statusWriter) answer() answer {
+	a := answer{status: w.status, size: w.size}
+	if a.status == 0 {
+		a.status = http.StatusOK
+	}
+	w.body.Sum(a.sum[:0])
+	return a
+}

@@ -2,13 +2,18 @@ package idemtest
 
 import (
 	"context"
+	"fmt"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // firstThenCreated serves its first request with first, and answers 201 to
@@ -138,6 +143,262 @@ func TestLedgerFollows409Rule(t *testing.T) {
 			post(t.Context(), client, srv.URL, "k")
 			assert.Equal(t, map[string]int{"k": tt.runs}, srv.Executions())
 			assert.Empty(t, srv.Duplicates())
+		})
+	}
+}
+
+// memoryStore returns a memory store, closed when the test ends, wrapped
+// in wrap unless it is nil.
+func memoryStore(t *testing.T, wrap func(idemserver.Store) idemserver.Store) idemserver.Store {
+	mem := idemserver.NewMemoryStore()
+	t.Cleanup(func() { _ = mem.Close() })
+	if wrap == nil {
+		return mem
+	}
+	return wrap(mem)
+}
+
+// storeOutcomeOnRelease is a broken store: it keeps an empty 200 as the
+// outcome of a claim the middleware releases, as a middleware that stored
+// the implicit 200 of a handler that gave up would.
+type storeOutcomeOnRelease struct{ idemserver.Store }
+
+func (s storeOutcomeOnRelease) Release(ctx context.Context, key idemserver.Key, token string) error {
+	return s.Complete(ctx, key, token, &idemserver.Response{Status: http.StatusOK}, time.Now().Add(time.Hour))
+}
+
+// tamperingStore is a broken store: it replays every stored response with
+// its status or body changed.
+type tamperingStore struct {
+	idemserver.Store
+	change func(*idemserver.Response)
+}
+
+func (s tamperingStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	res, err := s.Store.Claim(ctx, c)
+	if err == nil && !res.Claimed && res.Record.Completed() {
+		changed := *res.Record.Response
+		s.change(&changed)
+		res.Record.Response = &changed
+	}
+	return res, err
+}
+
+// TestWrongReplaysCaught checks that the assertion fails when a retry is
+// told something other than the handler's first answer, including a
+// success for a run that never acted, and that honest replays of responses
+// the middleware changes on purpose pass.
+func TestWrongReplaysCaught(t *testing.T) {
+	// gaveUp answers nothing to its first request, whose client has gone:
+	// it did not act. The others act and answer 201.
+	gaveUp := func(entered chan<- struct{}) http.Handler {
+		return firstThenCreated(func(w http.ResponseWriter, r *http.Request) {
+			close(entered)
+			<-r.Context().Done()
+		})
+	}
+	for _, tt := range []struct {
+		name    string
+		handler func(entered chan<- struct{}) http.Handler
+		store   func(idemserver.Store) idemserver.Store
+		opts    []Option
+		wrong   string // in the assertion's message; empty when it passes
+	}{
+		{name: "empty 200 stored for a run that gave up", handler: gaveUp,
+			store: func(s idemserver.Store) idemserver.Store { return storeOutcomeOnRelease{s} },
+			wrong: "k (replayed 200 with a 0-byte body e3b0c442; the handler gave no answer to keep)"},
+		{name: "run that gave up, released", handler: gaveUp},
+		{name: "different body",
+			store: func(s idemserver.Store) idemserver.Store {
+				return tamperingStore{s, func(r *idemserver.Response) { r.Body = []byte("other") }}
+			},
+			wrong: "k (replayed 201 with a 5-byte body"},
+		{name: "different status",
+			store: func(s idemserver.Store) idemserver.Store {
+				return tamperingStore{s, func(r *idemserver.Response) { r.Status = http.StatusOK }}
+			},
+			wrong: "the handler answered 201 with a 7-byte body"},
+		{name: "different body, replay lost",
+			store: func(s idemserver.Store) idemserver.Store {
+				return tamperingStore{s, func(r *idemserver.Response) { r.Body = nil }}
+			},
+			opts:  []Option{WithFaults(Faults{LoseResponse: 1})},
+			wrong: "k (replayed 201 with a 0-byte body"},
+		{name: "response too large to keep",
+			opts: []Option{WithMiddleware(idemserver.WithMaxResponseBytes(3))}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			store := memoryStore(t, tt.store)
+			entered := make(chan struct{})
+			h := http.Handler(created)
+			if tt.handler != nil {
+				h = tt.handler(entered)
+			} else {
+				close(entered)
+			}
+			srv := NewServer(h, append(tt.opts, WithStore(store))...)
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+
+			first := t.Context()
+			if tt.handler != nil {
+				ctx, giveUp := context.WithCancel(t.Context())
+				go func() { <-entered; giveUp() }()
+				first = ctx
+			}
+			post(first, client, srv.URL, "k")
+			var o outcome
+			for o = post(t.Context(), client, srv.URL, "k"); o.status == http.StatusConflict; {
+				o = post(t.Context(), client, srv.URL, "k") // a release may still be on its way
+			}
+			post(t.Context(), client, srv.URL, "k")
+			srv.Close()
+
+			rec := &recordingTB{TB: t}
+			ok := srv.AssertExactlyOnce(rec, 1)
+			if tt.wrong == "" {
+				assert.Empty(t, srv.WrongReplays())
+				if tt.handler == nil {
+					assert.True(t, ok, "%v", rec.errors)
+				} // else the silent run counts (TestLedgerCountsSilentRunAfterClientLeft)
+				return
+			}
+			assert.False(t, ok)
+			require.Len(t, rec.errors, 1)
+			assert.Contains(t, rec.errors[0], "replays were not the handler's answer: ")
+			assert.Contains(t, rec.errors[0], tt.wrong)
+			assert.NotEmpty(t, srv.WrongReplays())
+		})
+	}
+}
+
+// scopeBlindStore is a broken store: it ignores the scope of keys, so one
+// tenant's response is replayed to another that sent the same key.
+type scopeBlindStore struct{ idemserver.Store }
+
+func unscoped(k idemserver.Key) idemserver.Key { return idemserver.Key{Key: k.Key} }
+
+func (s scopeBlindStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	c.Key = unscoped(c.Key)
+	return s.Store.Claim(ctx, c)
+}
+
+func (s scopeBlindStore) TakeOver(ctx context.Context, c idemserver.Claim, expired string) (idemserver.ClaimResult, error) {
+	c.Key = unscoped(c.Key)
+	return s.Store.TakeOver(ctx, c, expired)
+}
+
+func (s scopeBlindStore) Complete(ctx context.Context, k idemserver.Key, token string, r *idemserver.Response, expires time.Time) error {
+	return s.Store.Complete(ctx, unscoped(k), token, r, expires)
+}
+
+func (s scopeBlindStore) Release(ctx context.Context, k idemserver.Key, token string) error {
+	return s.Store.Release(ctx, unscoped(k), token)
+}
+
+func (s scopeBlindStore) Extend(ctx context.Context, k idemserver.Key, token string, lease time.Time) error {
+	return s.Store.Extend(ctx, unscoped(k), token, lease)
+}
+
+// TestLedgerScopes checks that the ledger counts per scope and key, as the
+// middleware deduplicates: two tenants that send the same key make two
+// operations, each executed once, and a store that replays one tenant's
+// response to the other leaves an operation unexecuted.
+func TestLedgerScopes(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		blind bool
+		runs  map[string]int
+	}{
+		{"scoped store", false, map[string]int{`"a" k`: 1, `"b" k`: 1}},
+		{"store ignores the scope", true, map[string]int{`"a" k`: 1}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var wrap func(idemserver.Store) idemserver.Store
+			if tt.blind {
+				wrap = func(s idemserver.Store) idemserver.Store { return scopeBlindStore{s} }
+			}
+			store := memoryStore(t, wrap)
+			srv := NewServer(created, WithStore(store), WithMiddleware(idemserver.WithScope(
+				func(r *http.Request) string { return r.Header.Get("Tenant") })))
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+			for _, tenant := range []string{"a", "b", "a", "b"} {
+				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("{}"))
+				require.NoError(t, err)
+				req.Header.Set(idemserver.DefaultKeyHeader, "k")
+				req.Header.Set("Tenant", tenant)
+				resp, err := client.Do(req)
+				require.NoError(t, err)
+				resp.Body.Close()
+				assert.Equal(t, http.StatusCreated, resp.StatusCode)
+			}
+			assert.Equal(t, tt.runs, srv.Executions())
+			assert.Empty(t, srv.Duplicates())
+			rec := &recordingTB{TB: t}
+			assert.Equal(t, !tt.blind, srv.AssertExactlyOnce(rec, 2), "%v", rec.errors)
+		})
+	}
+}
+
+// discardingStore holds responses, as a store that commits the handler's
+// work with the outcome does, and discards the first run of each request
+// it is given: it releases the claim, as a rolled-back transaction would,
+// and asks the middleware to run the request again.
+type discardingStore struct {
+	idemserver.Store
+	discards atomic.Int32 // how many more Completes to discard
+}
+
+func (s *discardingStore) HoldResponses() bool { return true }
+
+func (s *discardingStore) Complete(ctx context.Context, key idemserver.Key, token string, r *idemserver.Response, expires time.Time) error {
+	if s.discards.Add(-1) >= 0 {
+		if err := s.Store.Release(ctx, key, token); err != nil {
+			return err
+		}
+		return fmt.Errorf("serialization failure: %w", idemserver.ErrRetryRequest)
+	}
+	return s.Store.Complete(ctx, key, token, r, expires)
+}
+
+// TestLedgerDiscardedRunIsNoExecution checks that a run whose work a store
+// that holds responses discarded, and which the middleware then ran again
+// in the same request, is not counted, while two requests that both run
+// the handler through such a store still make a duplicate.
+func TestLedgerDiscardedRunIsNoExecution(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		discards int32
+		store    func(idemserver.Store) idemserver.Store
+		runs     int
+	}{
+		{"first run discarded", 1, nil, 1},
+		{"two runs discarded", 2, nil, 1},
+		{"store forgets the key", 0, func(s idemserver.Store) idemserver.Store { return forgetfulStore{s} }, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			store := &discardingStore{Store: memoryStore(t, tt.store)}
+			store.discards.Store(tt.discards)
+			var calls atomic.Int32
+			srv := NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				calls.Add(1)
+				created(w, r)
+			}), WithStore(store))
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+
+			assert.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "k"))
+			second := post(t.Context(), client, srv.URL, "k")
+			assert.Equal(t, http.StatusCreated, second.status)
+			assert.Equal(t, tt.discards+int32(tt.runs), calls.Load(), "the handler's runs")
+			assert.Equal(t, map[string]int{"k": tt.runs}, srv.Executions())
+			rec := &recordingTB{TB: t}
+			assert.Equal(t, tt.runs == 1, srv.AssertExactlyOnce(rec, 1), "%v", rec.errors)
+			assert.Empty(t, srv.WrongReplays())
 		})
 	}
 }

@@ -70,7 +70,7 @@ func NewProxy(target string, f Faults, seed int64) (*Proxy, error) {
 			http.Error(w, "idemtest proxy: "+err.Error(), http.StatusBadGateway)
 		},
 	}
-	p.injector = newInjector(forward, f, seed, idemserver.DefaultKeyHeader, ctx.Done())
+	p.injector = newInjector(forward, f, seed, idemserver.DefaultKeyHeader, ctx.Done(), nil)
 	p.server = &http.Server{Handler: p.injector, BaseContext: func(net.Listener) context.Context { return ctx }}
 	go func() {
 		defer close(p.served)

@@ -56,9 +56,10 @@ func NewServer(h http.Handler, opts ...Option) *Server {
 		s.ownStore = idemserver.NewMemoryStore()
 		store = s.ownStore
 	}
-	s.ledger = newLedger(h, cfg.header)
+	holder, ok := store.(idemserver.ResponseHolder)
+	s.ledger = newLedger(h, cfg.header, ok && holder.HoldResponses())
 	mw := idemserver.Middleware(store, append(cfg.middleware, idemserver.WithKeyHeader(cfg.header))...)
-	s.injector = newInjector(mw(s.ledger), cfg.faults, cfg.seed, cfg.header, s.done)
+	s.injector = newInjector(mw(s.ledger), cfg.faults, cfg.seed, cfg.header, s.done, s.ledger.checkReplay)
 	s.ts = httptest.NewServer(s.injector)
 	s.URL = s.ts.URL
 	return s
@@ -82,13 +83,26 @@ func (s *Server) Client(opts ...idemhttp.Option) *http.Client {
 
 // Executions returns how many times the handler executed, per idempotency
 // key: the runs that ended with an outcome the middleware keeps (see the
-// package documentation). Requests without a key are not counted, nor are
-// runs that have not ended yet. The map is a copy.
+// package documentation). With a scope (idemserver.WithScope) the entries
+// are per scope and key, named by the quoted scope, a space and the key,
+// since the same key in two scopes names two operations. Requests without
+// a key are not counted, nor are runs that have not ended yet. The map is
+// a copy.
 func (s *Server) Executions() map[string]int { return s.ledger.executions() }
 
-// Duplicates returns the idempotency keys the handler executed more than
-// once, sorted. It is empty when the server kept its promise.
+// Duplicates returns the entries of [Server.Executions] that the handler
+// executed more than once, sorted. It is empty when the server kept its
+// promise.
 func (s *Server) Duplicates() []string { return s.ledger.duplicates() }
+
+// WrongReplays describes the responses the middleware replayed that are
+// not an answer the handler gave for their key and the middleware keeps: a
+// replay of a stored 200 for a run that answered nothing once its client
+// had gone, or one whose status or body differs from the first answer. It
+// is empty when every retry got the first answer. Replays for keys the
+// handler never ran for here (records made by another server that shares
+// the store) are not checked.
+func (s *Server) WrongReplays() []string { return s.ledger.wrongReplays() }
 
 // Stats returns the counts of what the fault injector did.
 func (s *Server) Stats() Stats { return s.injector.snapshot() }
@@ -96,7 +110,9 @@ func (s *Server) Stats() Stats { return s.injector.snapshot() }
 // AssertExactlyOnce checks that the handler executed exactly operations
 // keys, each once: no key twice (a duplicate execution), and no more keys
 // than operations (an operation sent with a second key) nor fewer (an
-// operation never executed). On failure it reports, through t.Errorf, the
+// operation never executed); and that every replay was the first answer
+// (see [Server.WrongReplays]), so that no client was told of an outcome
+// the handler never gave. On failure it reports, through t.Errorf, the
 // offending keys and the seed, and returns false.
 //
 // The ledger knows keys, not operations: an operation sent with two keys
@@ -119,6 +135,10 @@ func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
 		}
 		problems = append(problems, fmt.Sprintf("%d keys executed more than once: %s",
 			len(dups), strings.Join(parts, ", ")))
+	}
+	if wrong := s.WrongReplays(); len(wrong) > 0 {
+		problems = append(problems, fmt.Sprintf("%d replays were not the handler's answer: %s",
+			len(wrong), strings.Join(wrong, ", ")))
 	}
 	// A run is counted when it ends. One still going, such as a run whose
 	// client gave up, may yet be a duplicate or a key too many: until it

@@ -405,7 +405,7 @@ func TestLatency(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		f := Faults{Latency: .5, MinLatency: 10 * time.Millisecond, MaxLatency: 50 * time.Millisecond}
 		done := make(chan struct{})
-		in := newInjector(created, f, 3, idemserver.DefaultKeyHeader, done)
+		in := newInjector(created, f, 3, idemserver.DefaultKeyHeader, done, nil)
 		var waits []time.Duration
 		for i := range 50 {
 			req, err := http.NewRequest(http.MethodPost, "/", strings.NewReader("{}"))

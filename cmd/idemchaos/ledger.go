@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -40,7 +41,18 @@ const (
 	// or the lease was lost. The claim is taken over once its lease ends,
 	// and the handler runs again, in the same server process.
 	kindUnsettled = "unsettled"
+	// kindKept: in lease mode, the store kept the outcome of the handler's
+	// run (the middleware completed the claim). No later run may follow
+	// for the key within its retention, by any server: one that does
+	// found the key forgotten. Kept entries go to a file of their own
+	// (keptPath), so that the scenario, which watches the ledger grow to
+	// time its server kills between a charge and its stored response, is
+	// not misled by them.
+	kindKept = "kept"
 )
+
+// keptPath is the file of the kindKept entries of the ledger at path.
+func keptPath(ledger string) string { return ledger + ".kept" }
 
 // noKey stands for the derived key of a request the middleware did not
 // claim: the handler has no key to forward, and the provider charges it
@@ -59,7 +71,7 @@ type entry struct {
 
 // parseEntry parses a ledger file's line.
 func parseEntry(fields []string) (entry, error) {
-	if len(fields) == 4 && slices.Contains([]string{kindCharged, kindRepeated, kindRan, kindUnsettled}, fields[0]) {
+	if len(fields) == 4 && slices.Contains([]string{kindCharged, kindRepeated, kindRan, kindUnsettled, kindKept}, fields[0]) {
 		if n, err := strconv.Atoi(fields[3]); err == nil && n >= 0 {
 			return entry{kind: fields[0], op: fields[1], key: fields[2], server: n}, nil
 		}
@@ -76,6 +88,7 @@ type provider struct {
 	server string
 	mu     sync.Mutex
 	log    *lineLog
+	kept   *lineLog        // the kindKept entries
 	keys   map[string]bool // the keys charged
 }
 
@@ -97,6 +110,10 @@ func openProvider(path string, server int) (*provider, error) {
 		}
 	}
 	if p.log, err = openLineLog(path); err != nil {
+		return nil, err
+	}
+	if p.kept, err = openLineLog(keptPath(path)); err != nil {
+		p.log.Close()
 		return nil, err
 	}
 	return p, nil
@@ -126,4 +143,12 @@ func (p *provider) unsettled(op, key string) error {
 	return p.log.append(true, kindUnsettled, op, key, p.server)
 }
 
-func (p *provider) Close() error { return p.log.Close() }
+// stored records that the outcome of op's run, whose charge key is key,
+// was kept by the store. The entry need not be durable: only a kill of the
+// process can interrupt it, and an entry lost with the process makes the
+// check weaker, never wrong.
+func (p *provider) stored(op, key string) error {
+	return p.kept.append(false, kindKept, op, key, p.server)
+}
+
+func (p *provider) Close() error { return errors.Join(p.log.Close(), p.kept.Close()) }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -136,7 +137,8 @@ func TestReportReadsLedger(t *testing.T) {
 			"charged op-3 d4 0"), 0o644))
 	require.NoError(t, os.WriteFile(f.clientLog, []byte(
 		"done op-1 201 false\ndone op-2 201 true\ndone op-3 201 false\ndone op-4 409 false\n"+
-			"done op-6 201 false\ndone op-7 201 false\ndone op-8 201 false\ndone op-5 201"), 0o644))
+			"done op-6 201 false\ndone op-7 201 false\ndone op-8 201 false\ndone op-1 201 true\nwrong op-1\n"+
+			"wrong op-1\ndone op-5 201"), 0o644))
 	r := &report{scenario: &scenario{ops: 8, spec: storeSpec{name: "postgres"}}}
 	require.NoError(t, r.read(f, nil))
 	assert.Equal(t, map[string]int{"op-1": 1, "op-2": 2, "op-3": 0, "op-4": 0, "op-5": 0, "op-6": 1, "op-7": 1, "op-8": 1},
@@ -148,13 +150,16 @@ func TestReportReadsLedger(t *testing.T) {
 	assert.Equal(t, []string{"op-5"}, r.unfinished)           // so was op-5's
 	assert.Equal(t, []string{"op-4 (409)"}, r.refused)
 	assert.Equal(t, []string{"op-9"}, r.strangers)
-	assert.Equal(t, 1, r.replaysReceived)
+	assert.Equal(t, []string{"op-1"}, r.wrong)
+	assert.Equal(t, 2, r.replaysReceived)
 	assert.True(t, r.failed())
 
 	var out bytes.Buffer
 	r.print(&out)
 	assert.Contains(t, out.String(), "\nduplicates: 2\n")
 	assert.Contains(t, out.String(), "\nlost: 3\n")
+	assert.Contains(t, out.String(), "\nwrong answers: 1\n")
+	assert.Contains(t, out.String(), "\noperations answered 201 with a body other than their receipt: op-1\n")
 	assert.Contains(t, out.String(), "\nre-executions after server kills: 2\n")
 	assert.Contains(t, out.String(), "\nre-executions after claims left in progress: 1\n")
 	assert.Contains(t, out.String(), "\nduplicated operations: op-2 (2 executions), op-7 (run 1 more times by one server process)\n")
@@ -194,25 +199,26 @@ func TestReportReadsPaymentsTable(t *testing.T) {
 	assert.ErrorContains(t, r.read(f, payments), `ledger: line "charged op-1 d1 0" does not belong to store postgres-tx`)
 }
 
-// TestUnsettledObserver checks which of the middleware's events the server
-// records as claims left in progress: those after which a retry runs the
-// handler again in the same server process.
-func TestUnsettledObserver(t *testing.T) {
+// TestObserver checks which of the middleware's events the server records
+// as claims left in progress (those after which a retry runs the handler
+// again in the same server process), and which as outcomes the store kept
+// (after which no server may run it again).
+func TestObserver(t *testing.T) {
 	key := idemserver.Key{Key: "k1"}
 	tests := []struct {
 		name string
 		ev   idemserver.Event
-		want bool
+		want string // the kind of entry recorded; empty for none
 	}{
-		{"executed and stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201}, false},
+		{"executed and stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201}, kindKept},
 		{"executed, not stored", idemserver.Event{Outcome: idemserver.OutcomeExecuted, Status: 201,
-			Err: errors.New("store down")}, true},
+			Err: errors.New("store down")}, kindUnsettled},
 		{"lease lost at completion", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
-			Err: fmt.Errorf("complete: %w", idemserver.ErrLeaseLost)}, true},
-		{"released", idemserver.Event{Outcome: idemserver.OutcomeReleased, Status: 500}, false},
+			Err: fmt.Errorf("complete: %w", idemserver.ErrLeaseLost)}, kindUnsettled},
+		{"released", idemserver.Event{Outcome: idemserver.OutcomeReleased, Status: 500}, ""},
 		{"store unavailable", idemserver.Event{Outcome: idemserver.OutcomeUnavailable, Status: 503,
-			Err: errors.New("store down")}, false},
-		{"replayed", idemserver.Event{Outcome: idemserver.OutcomeReplayed, Status: 201}, false},
+			Err: errors.New("store down")}, ""},
+		{"replayed", idemserver.Event{Outcome: idemserver.OutcomeReplayed, Status: 201}, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -222,15 +228,88 @@ func TestUnsettledObserver(t *testing.T) {
 			r := httptest.NewRequest(http.MethodPost, "/pay/op-1", nil)
 			r.SetPathValue("op", "op-1")
 			tt.ev.Request, tt.ev.Key = r, key
-			unsettled(p)(tt.ev)
+			observe(p)(tt.ev)
 			require.NoError(t, p.Close())
 			lines, err := readLines(path)
 			require.NoError(t, err)
-			if !tt.want {
+			kept, err := readLines(keptPath(path))
+			require.NoError(t, err)
+			want := [][]string{{tt.want, "op-1", key.Derive("charge"), "3"}}
+			switch tt.want {
+			case "":
 				assert.Empty(t, lines)
-				return
+				assert.Empty(t, kept)
+			case kindKept:
+				assert.Empty(t, lines, "kept entries stay out of the ledger the scenario watches")
+				assert.Equal(t, want, kept)
+			default:
+				assert.Equal(t, want, lines)
+				assert.Empty(t, kept)
 			}
-			assert.Equal(t, [][]string{{kindUnsettled, "op-1", key.Derive("charge"), "3"}}, lines)
+		})
+	}
+}
+
+// TestReportForgottenKey checks that a run by a later server for a charge
+// whose outcome an earlier server had kept is a duplicate: the store forgot
+// a completed key. A run after a server that was killed before it kept the
+// outcome is the takeover lease mode allows.
+func TestReportForgottenKey(t *testing.T) {
+	dir := t.TempDir()
+	f := files{ledger: filepath.Join(dir, "ledger"), clientLog: filepath.Join(dir, "log")}
+	require.NoError(t, os.WriteFile(f.ledger, []byte(
+		"charged op-1 d1 0\nrepeated op-1 d1 1\n"+ // server 0 was killed before keeping the outcome
+			"charged op-2 d2 0\nrepeated op-2 d2 1\nrepeated op-2 d2 2\n"), 0o644)) // server 1 kept it
+	require.NoError(t, os.WriteFile(keptPath(f.ledger), []byte(
+		"kept op-1 d1 1\nkept op-2 d2 1\nkept op-2 d2 2\n"), 0o644))
+	require.NoError(t, os.WriteFile(f.clientLog, []byte("done op-1 201 false\ndone op-2 201 true\n"), 0o644))
+	r := &report{scenario: &scenario{ops: 2, spec: storeSpec{name: "redis"}}}
+	require.NoError(t, r.read(f, nil))
+	assert.Equal(t, 2, r.reexecuted) // op-1's by server 1, op-2's by server 1
+	assert.Equal(t, []string{"op-2 (run 1 more times by a later server after its outcome was kept)"}, r.duplicated)
+	assert.True(t, r.failed())
+
+	require.NoError(t, os.WriteFile(keptPath(f.ledger), []byte("kept op-2 d2 x\n"), 0o644))
+	assert.ErrorContains(t, (&report{scenario: r.scenario}).read(f, nil), `unexpected kept line "kept op-2 d2 x"`)
+}
+
+// TestWorkerChecksTheAnswer checks that the client worker records an
+// operation answered 201 with a body other than its receipt, such as a
+// replay of another answer, which the report then counts as wrong.
+func TestWorkerChecksTheAnswer(t *testing.T) {
+	for _, tt := range []struct {
+		name, body string
+		wrong      bool
+	}{
+		{"receipt", receiptOf("op-1"), false},
+		{"another operation's receipt", receiptOf("op-2"), true},
+		{"empty", "", true},
+		{"receipt and more", receiptOf("op-1") + " ", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set(idemserver.ReplayedHeader, "true")
+				w.WriteHeader(http.StatusCreated)
+				_, _ = io.WriteString(w, tt.body)
+			}))
+			defer srv.Close()
+			path := filepath.Join(t.TempDir(), "log")
+			log, err := openLineLog(path)
+			require.NoError(t, err)
+			defer log.Close()
+			w := &worker{client: srv.Client(), log: log, url: srv.URL}
+			require.NoError(t, w.complete(t.Context(), "op-1"))
+
+			lines, err := readLines(path)
+			require.NoError(t, err)
+			want := [][]string{{"done", "op-1", "201", "true"}}
+			if tt.wrong {
+				want = append(want, []string{"wrong", "op-1"})
+			}
+			assert.Equal(t, want, lines)
+			r := &report{scenario: &scenario{ops: 1, spec: storeSpec{name: "memory"}}}
+			require.NoError(t, r.read(files{ledger: filepath.Join(t.TempDir(), "none"), clientLog: path}, nil))
+			assert.Equal(t, tt.wrong, len(r.wrong) == 1)
 		})
 	}
 }

@@ -25,13 +25,17 @@ type report struct {
 	// handler one server process ran more than once (which the middleware
 	// must prevent, whatever the provider then did); lost those paid
 	// never; unfinished those the client never recorded done; refused
-	// those whose final status was not 201; and strangers the operations
-	// in the ledger that the scenario does not have.
-	duplicated, lost, unfinished, refused, strangers []string
+	// those whose final status was not 201; wrong those answered 201
+	// with a body other than their receipt (a replay of another answer);
+	// and strangers the operations in the ledger that the scenario does
+	// not have.
+	duplicated, lost, unfinished, refused, wrong, strangers []string
 	// reexecuted counts the handler's runs for a payment already charged,
-	// each by a later server process than the run before it: after a
-	// server kill between the charge and the stored response, the lease
-	// ended and a retry took the claim over. unsettledRuns counts those by
+	// each by a later server process than the run before it, no earlier
+	// server having kept the outcome: after a server kill between the
+	// charge and the stored response, the lease ended and a retry took the
+	// claim over. A run after an earlier server kept the outcome found the
+	// key forgotten, and is a duplicate. unsettledRuns counts those by
 	// the same server process after the middleware reported the claim
 	// left in progress (the store failed to keep the outcome, or the lease
 	// was lost). The provider deduplicated both by the derived key.
@@ -73,9 +77,24 @@ func (r *report) read(f files, payments []entry) error {
 		}
 	}
 	r.rolledBack = max(runs-len(payments), 0)
+	kept, err := readLines(keptPath(f.ledger))
+	if err != nil {
+		return err
+	}
+	keptBy := make(map[string]int) // the first server that kept each charge key's outcome
+	for _, l := range kept {
+		e, err := parseEntry(l)
+		if err != nil || e.kind != kindKept {
+			return fmt.Errorf("ledger: unexpected kept line %q", strings.Join(l, " "))
+		}
+		if s, ok := keptBy[e.key]; !ok || e.server < s {
+			keptBy[e.key] = e.server
+		}
+	}
 	lastServer := make(map[string]int) // of each operation's last run
 	unsettled := make(map[string]bool) // since the operation's last run
 	againByOne := make(map[string]int) // runs again by the same process
+	forgotten := make(map[string]int)  // runs again after an earlier server kept the outcome
 	for _, e := range effects {
 		if _, ok := r.executions[e.op]; !ok {
 			r.strangers = append(r.strangers, e.op)
@@ -90,6 +109,10 @@ func (r *report) read(f files, payments []entry) error {
 		case kindRepeated:
 			switch last, ok := lastServer[e.op]; {
 			case ok && e.server > last:
+				if s, kept := keptBy[e.key]; kept && s < e.server {
+					forgotten[e.op]++
+					break
+				}
 				r.reexecuted++
 			case unsettled[e.op]:
 				r.unsettledRuns++
@@ -106,6 +129,10 @@ func (r *report) read(f files, payments []entry) error {
 	}
 	done := make(map[string]bool)
 	for _, l := range log {
+		if l[0] == "wrong" && len(l) == 2 {
+			r.wrong = append(r.wrong, l[1])
+			continue
+		}
 		if l[0] != "done" || len(l) < 4 {
 			return fmt.Errorf("client log: unexpected line %q", strings.Join(l, " "))
 		}
@@ -128,6 +155,9 @@ func (r *report) read(f files, payments []entry) error {
 		if n := againByOne[op]; n > 0 {
 			why = append(why, fmt.Sprintf("run %d more times by one server process", n))
 		}
+		if n := forgotten[op]; n > 0 {
+			why = append(why, fmt.Sprintf("run %d more times by a later server after its outcome was kept", n))
+		}
 		if len(why) > 0 {
 			r.duplicated = append(r.duplicated, op+" ("+strings.Join(why, ", ")+")")
 		}
@@ -137,12 +167,14 @@ func (r *report) read(f files, payments []entry) error {
 	}
 	slices.Sort(r.strangers)
 	slices.Sort(r.refused)
+	slices.Sort(r.wrong)
+	r.wrong = slices.Compact(r.wrong)
 	return nil
 }
 
 // failed reports whether the run broke the promise or did not finish.
 func (r *report) failed() bool {
-	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.strangers) > 0
+	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.wrong)+len(r.strangers) > 0
 }
 
 func (r *report) print(w io.Writer) {
@@ -165,6 +197,7 @@ func (r *report) print(w io.Writer) {
 		p.ResetBefore, p.LostResponses, p.Unavailable, p.TooManyRequests, p.Stalled, p.Delayed)
 	fmt.Fprintf(w, "duplicates: %d\n", len(r.duplicated))
 	fmt.Fprintf(w, "lost: %d\n", len(r.lost))
+	fmt.Fprintf(w, "wrong answers: %d\n", len(r.wrong))
 	if sc.spec.transactional() {
 		fmt.Fprintf(w, "handler runs rolled back: %d\n", r.rolledBack)
 	} else {
@@ -188,6 +221,7 @@ func (r *report) print(w io.Writer) {
 		{"lost operations (never executed)", r.lost},
 		{"unfinished operations (never recorded done by the client)", r.unfinished},
 		{"operations refused (final status other than 201)", r.refused},
+		{"operations answered 201 with a body other than their receipt", r.wrong},
 		{"executed operations not in the scenario", r.strangers},
 	} {
 		if len(l.ops) > 0 {

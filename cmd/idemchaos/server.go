@@ -76,7 +76,7 @@ func serve(ctx context.Context, args []string) error {
 		}
 		defer p.Close()
 		handler = chargePayment(p, !*unsafeEffect)
-		opts = append(opts, idemserver.WithObserver(unsettled(p)))
+		opts = append(opts, idemserver.WithObserver(observe(p)))
 	}
 	if !*unsafe {
 		handler = idemserver.Middleware(store, opts...)(handler)
@@ -126,17 +126,23 @@ func chargePayment(p *provider, forward bool) http.Handler {
 	})
 }
 
-// unsettled returns the observer that records in the ledger each claim
-// the middleware left in progress while its server went on: one whose
-// outcome the store failed to keep, or whose lease was lost. A retry takes
-// it over once its lease has ended and runs the handler again, in the same
-// server process, as lease mode allows.
-func unsettled(p *provider) func(idemserver.Event) {
+// observe returns the observer that records in the ledger each claim the
+// middleware left in progress while its server went on: one whose outcome
+// the store failed to keep, or whose lease was lost. A retry takes it over
+// once its lease has ended and runs the handler again, in the same server
+// process, as lease mode allows. It also records each outcome the store
+// kept, after which no server may run the handler for the key again.
+func observe(p *provider) func(idemserver.Event) {
 	return func(ev idemserver.Event) {
-		if (ev.Outcome == idemserver.OutcomeExecuted && ev.Err != nil) || errors.Is(ev.Err, idemserver.ErrLeaseLost) {
-			if err := p.unsettled(ev.Request.PathValue("op"), ev.Key.Derive("charge")); err != nil {
-				fmt.Fprintln(os.Stderr, "idemchaos server: ledger:", err)
-			}
+		var err error
+		switch {
+		case ev.Outcome == idemserver.OutcomeExecuted && ev.Err == nil:
+			err = p.stored(ev.Request.PathValue("op"), ev.Key.Derive("charge"))
+		case ev.Outcome == idemserver.OutcomeExecuted, errors.Is(ev.Err, idemserver.ErrLeaseLost):
+			err = p.unsettled(ev.Request.PathValue("op"), ev.Key.Derive("charge"))
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "idemchaos server: ledger:", err)
 		}
 	}
 }
@@ -188,5 +194,9 @@ func receipt(w http.ResponseWriter, op string) {
 	time.Sleep(afterEffect)
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusCreated)
-	fmt.Fprintf(w, `{"op":%q,"status":"paid"}`, op)
+	_, _ = io.WriteString(w, receiptOf(op))
 }
+
+// receiptOf is the body of op's receipt: every answer to op, first or
+// replayed, must be exactly this.
+func receiptOf(op string) string { return fmt.Sprintf(`{"op":%q,"status":"paid"}`, op) }

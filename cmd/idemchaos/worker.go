@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -143,7 +144,8 @@ func (w *worker) drive(ctx context.Context, ops []string, n int) error {
 }
 
 // complete sends op until its outcome is final, records it done and only
-// then reads the response, which releases op's key.
+// then reads the response, which releases op's key. A 201 whose body is
+// not op's receipt (a replay of another answer) is recorded as wrong.
 func (w *worker) complete(ctx context.Context, op string) error {
 	for ctx.Err() == nil {
 		resp, err := w.pay(ctx, op)
@@ -160,12 +162,22 @@ func (w *worker) complete(ctx context.Context, op string) error {
 		}
 		replayed := strconv.FormatBool(resp.Header.Get(idemserver.ReplayedHeader) == "true")
 		err = w.log.append(true, "done", op, strconv.Itoa(resp.StatusCode), replayed)
-		drain(resp)
 		if err != nil {
+			drain(resp)
 			return err
 		}
 		if resp.StatusCode != http.StatusCreated {
+			drain(resp)
 			return fmt.Errorf("%s: final status %s", op, resp.Status)
+		}
+		// A body cut in transit proves nothing about the answer; the key
+		// stays pending and the next worker drives op again.
+		want := receiptOf(op)
+		body, err := io.ReadAll(io.LimitReader(resp.Body, int64(len(want))+1))
+		drain(resp)
+		if err == nil && string(body) != want {
+			fmt.Fprintf(os.Stderr, "idemchaos client: %s: answered %q, want %q\n", op, body, want)
+			return w.log.append(true, "wrong", op)
 		}
 		return nil
 	}
