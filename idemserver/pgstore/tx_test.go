@@ -251,6 +251,19 @@ func TestTransactionalRerunsOnConflicts(t *testing.T) {
 			status, body, _ := post(h, "k")
 			assert.Equal(t, tt.status, status, body)
 			assert.Equal(t, tt.payments, countPayments(t, db.DB, "k"))
+			if tt.status == http.StatusCreated {
+				// The client, and a retry, get the kept run's answer
+				// alone: nothing of the runs rolled back.
+				var id int64
+				require.NoError(t, db.QueryRowContext(t.Context(), "SELECT id FROM payments WHERE key = 'k'").Scan(&id))
+				want := fmt.Sprintf(`{"payment":%d}`, id)
+				assert.Equal(t, want, body)
+				status, replay, replayed := post(h, "k")
+				assert.True(t, replayed)
+				assert.Equal(t, http.StatusCreated, status)
+				assert.Equal(t, want, replay)
+				events = events[:len(events)-1]
+			}
 			wantRuns := int64(min(tt.fails, idemserver.MaxReruns) + 1)
 			if tt.state == "23505" {
 				wantRuns = 1
