@@ -89,6 +89,13 @@ const (
 // Extend, takeovers, ErrLeaseLost for stale lease tokens, concurrent
 // claims and takeovers (exactly one winner), responses kept byte for byte,
 // scopes kept apart, and cancelled contexts.
+//
+// A store that implements [idemserver.PackedStore] is checked twice: once
+// through Claim, TakeOver and Complete, and once, in the subtests under
+// "Packed", through ClaimPacked and CompletePacked, which the middleware
+// calls in their place. The second pass also checks what PackedStore adds:
+// that a claim's token is the one NewToken made, made at most once, and that
+// a completion is judged by its key and token whatever its Ref.
 func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 	t.Helper()
 	run(t, newStore, false, []subtest{
@@ -117,6 +124,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 // a concurrent claim of it is reported in progress with the claimant's own
 // fingerprint and a lease that has not ended (the uncommitted record cannot
 // be read). Each claim the suite wins is ended before its subtest does.
+// A PackedStore is checked through both sets of methods, as [Run] does.
 func RunTransactional(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 	t.Helper()
 	run(t, newStore, true, []subtest{
@@ -142,9 +150,19 @@ func run(t *testing.T, newStore func(t *testing.T) idemserver.Store, tx bool, te
 	t.Helper()
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tt.run(t, &harness{t: t, s: newStore(t), tokens: new(atomic.Int64), tx: tx})
+			tt.run(t, newHarness(t, newStore(t), tx, false))
 		})
 	}
+	t.Run("Packed", func(t *testing.T) {
+		if _, ok := newStore(t).(idemserver.PackedStore); !ok {
+			t.Skip("the store is not an idemserver.PackedStore")
+		}
+		for _, tt := range tests {
+			t.Run(tt.name, func(t *testing.T) {
+				tt.run(t, newHarness(t, newStore(t), tx, true))
+			})
+		}
+	})
 }
 
 // harness makes claims on one store and checks the answers.
@@ -153,11 +171,76 @@ type harness struct {
 	s      idemserver.Store
 	tokens *atomic.Int64
 	tx     bool // the store holds claims in transactions; see RunTransactional
+	// packed, when not nil, is s, whose PackedStore methods the harness
+	// calls in place of Claim, TakeOver and Complete.
+	packed idemserver.PackedStore
+	// refs maps the token of each packed claim won to its Ref.
+	refs *sync.Map
+}
+
+// newHarness returns a harness on s; with packed, s is a PackedStore and
+// the harness calls its packed methods.
+func newHarness(t *testing.T, s idemserver.Store, tx, packed bool) *harness {
+	h := &harness{t: t, s: s, tokens: new(atomic.Int64), tx: tx, refs: new(sync.Map)}
+	if packed {
+		h.packed = s.(idemserver.PackedStore)
+	}
+	return h
 }
 
 // sub returns a harness for the subtest t on the same store.
 func (h *harness) sub(t *testing.T) *harness {
-	return &harness{t: t, s: h.s, tokens: h.tokens, tx: h.tx}
+	c := *h
+	c.t = t
+	return &c
+}
+
+// claimOf is s.Claim, or s.TakeOver of expiredToken's lease when takeOver
+// is set, or ClaimPacked in their place.
+func (h *harness) claimOf(ctx context.Context, c idemserver.Claim, takeOver bool, expiredToken string) (idemserver.ClaimResult, error) {
+	if h.packed == nil {
+		if takeOver {
+			return h.s.TakeOver(ctx, c, expiredToken)
+		}
+		return h.s.Claim(ctx, c)
+	}
+	// The middleware has the store make the token with NewToken; half the
+	// claims give it in the claim instead.
+	pc := idemserver.PackedClaim{Claim: c, TakeOver: takeOver, ExpiredToken: expiredToken}
+	made := 0
+	if n, _ := strconv.ParseInt(strings.TrimPrefix(c.Token, "token-"), 10, 64); n%2 == 0 {
+		pc.Claim.Token = ""
+		pc.NewToken = func() string { made++; return c.Token }
+	}
+	res, err := h.packed.ClaimPacked(ctx, pc)
+	if err != nil {
+		return res.ClaimResult, err
+	}
+	assert.LessOrEqual(h.t, made, 1, "ClaimPacked calls NewToken at most once")
+	assert.Nil(h.t, res.Record.Response, "ClaimPacked returns a response packed, not in the record")
+	out := res.ClaimResult
+	if res.Claimed {
+		assert.Equal(h.t, c.Token, res.Token, "the token of a packed claim: Claim.Token, or the one NewToken made")
+		if pc.NewToken != nil {
+			assert.Equal(h.t, 1, made, "a claim won with NewToken set is made with its token")
+		}
+		assert.True(h.t, res.Response.IsZero(), "a claim won has no response")
+		h.refs.Store(c.Token, res.Ref)
+	} else if !res.Response.IsZero() {
+		out.Record.Response = res.Response.Response()
+	}
+	return out, nil
+}
+
+// completeOf is s.Complete of l, or CompletePacked with l's Ref.
+func (h *harness) completeOf(ctx context.Context, l lease, resp *idemserver.Response, expires time.Time) error {
+	if h.packed == nil {
+		return h.s.Complete(ctx, l.c.Key, l.c.Token, resp, expires)
+	}
+	return h.packed.CompletePacked(ctx, idemserver.PackedCompletion{
+		Key: l.c.Key, Token: l.c.Token, Ref: l.ref,
+		Response: idemserver.PackResponse(resp), Now: time.Now(), Expires: expires,
+	})
 }
 
 // fp returns a fingerprint named by s.
@@ -167,6 +250,10 @@ func fp(s string) idemserver.Fingerprint { return sha256.Sum256([]byte(s)) }
 type lease struct {
 	c   idemserver.Claim
 	ctx context.Context
+	// ref is the claim's PackedClaimResult.Ref, when the harness claimed
+	// it packed. A stale lease made from another keeps that one's Ref, so
+	// that the store is seen to check a completion's key and token.
+	ref uint64
 }
 
 // newClaim returns a claim of key with a new token, stamped now, whose
@@ -186,7 +273,7 @@ func (h *harness) newClaim(key idemserver.Key, f idemserver.Fingerprint, d time.
 func (h *harness) claim(key idemserver.Key, f idemserver.Fingerprint, d time.Duration) (lease, idemserver.ClaimResult) {
 	h.t.Helper()
 	c := h.newClaim(key, f, d)
-	res, err := h.s.Claim(h.t.Context(), c)
+	res, err := h.claimOf(h.t.Context(), c, false, "")
 	require.NoError(h.t, err, "Claim(%v)", key)
 	return h.leaseOf(c, res), res
 }
@@ -196,6 +283,9 @@ func (h *harness) claim(key idemserver.Key, f idemserver.Fingerprint, d time.Dur
 // transactional store's transaction ends with it.
 func (h *harness) leaseOf(c idemserver.Claim, res idemserver.ClaimResult) lease {
 	l := lease{c: c, ctx: h.t.Context()}
+	if ref, ok := h.refs.Load(c.Token); ok {
+		l.ref = ref.(uint64)
+	}
 	if res.Claimed && res.Context != nil {
 		l.ctx = res.Context
 	}
@@ -215,7 +305,7 @@ func (h *harness) mustClaim(key idemserver.Key, f idemserver.Fingerprint, d time
 
 // complete completes l with resp, kept for d.
 func (h *harness) complete(l lease, resp *idemserver.Response, d time.Duration) error {
-	return h.s.Complete(context.WithoutCancel(l.ctx), l.c.Key, l.c.Token, resp, time.Now().Add(d))
+	return h.completeOf(context.WithoutCancel(l.ctx), l, resp, time.Now().Add(d))
 }
 
 func (h *harness) release(l lease) error {
@@ -231,7 +321,7 @@ func (h *harness) extend(l lease, d time.Duration) error {
 func (h *harness) expectInProgress(key idemserver.Key, l lease) {
 	h.t.Helper()
 	c := h.newClaim(key, fp("other request"), live)
-	res, err := h.s.Claim(h.t.Context(), c)
+	res, err := h.claimOf(h.t.Context(), c, false, "")
 	require.NoError(h.t, err)
 	require.False(h.t, res.Claimed, "the key should be in progress")
 	h.assertInProgress(c, l.c, res.Record)
@@ -257,7 +347,7 @@ func (h *harness) assertInProgress(c, holder idemserver.Claim, rec idemserver.Re
 func (h *harness) expectReplay(key idemserver.Key, f idemserver.Fingerprint, resp *idemserver.Response) {
 	h.t.Helper()
 	c := h.newClaim(key, f, live)
-	res, err := h.s.Claim(h.t.Context(), c)
+	res, err := h.claimOf(h.t.Context(), c, false, "")
 	require.NoError(h.t, err)
 	require.False(h.t, res.Claimed, "the key should be completed")
 	require.True(h.t, res.Record.Completed(), "the record should hold a response")
@@ -280,7 +370,7 @@ func (h *harness) waitLeaseExpired(key idemserver.Key, l lease) idemserver.Recor
 	deadline := time.Now().Add(pollLimit)
 	for {
 		c := h.newClaim(key, l.c.Fingerprint, live)
-		res, err := h.s.Claim(h.t.Context(), c)
+		res, err := h.claimOf(h.t.Context(), c, false, "")
 		require.NoError(h.t, err)
 		require.False(h.t, res.Claimed, "Claim must not take over an in-progress record, even one whose lease ended")
 		require.False(h.t, res.Record.Completed())
@@ -369,7 +459,7 @@ func testClaimOutcomes(t *testing.T, h *harness) {
 	// is reported with its own fingerprint, token and lease.
 	for _, f := range []idemserver.Fingerprint{a, b} {
 		c := h.newClaim(key, f, live)
-		res, err := h.s.Claim(t.Context(), c)
+		res, err := h.claimOf(t.Context(), c, false, "")
 		require.NoError(t, err)
 		assert.False(t, res.Claimed)
 		h.assertInProgress(c, first.c, res.Record)
@@ -382,7 +472,7 @@ func testClaimOutcomes(t *testing.T, h *harness) {
 	require.NoError(t, h.complete(first, created, live))
 	for _, f := range []idemserver.Fingerprint{a, b} {
 		c := h.newClaim(key, f, live)
-		res, err := h.s.Claim(t.Context(), c)
+		res, err := h.claimOf(t.Context(), c, false, "")
 		require.NoError(t, err)
 		assert.False(t, res.Claimed)
 		require.True(t, res.Record.Completed())
@@ -432,7 +522,7 @@ func testConcurrentClaims(t *testing.T, h *harness) {
 	for i := range claims {
 		claims[i] = h.newClaim(key, f, live)
 	}
-	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
+	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], false, "") })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
@@ -485,7 +575,7 @@ func testConcurrentClaimsOfExpiredRecord(t *testing.T, h *harness) {
 	for i := range claims {
 		claims[i] = h.newClaim(key, fp("new request"), live)
 	}
-	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
+	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], false, "") })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
@@ -515,20 +605,20 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	// A lease that has not ended is never taken over, even with its token:
 	// its holder may have extended it after the caller saw it end.
 	holder := h.mustClaim(idemserver.Key{Key: "live"}, f, live)
-	res, err := h.s.TakeOver(t.Context(), h.newClaim(holder.c.Key, f, live), holder.c.Token)
+	res, err := h.claimOf(t.Context(), h.newClaim(holder.c.Key, f, live), true, holder.c.Token)
 	require.NoError(t, err)
 	assert.False(t, res.Claimed, "TakeOver of a live lease")
 	h.expectInProgress(holder.c.Key, holder)
 
 	// TakeOver names the expired token: a wrong one takes nothing.
 	c := h.newClaim(key, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, "not-the-token")
+	res, err = h.claimOf(t.Context(), c, true, "not-the-token")
 	require.NoError(t, err)
 	assert.False(t, res.Claimed, "TakeOver with a token the record does not hold")
 	assert.Equal(t, dead.c.Token, res.Record.Token)
 
 	c = h.newClaim(key, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, dead.c.Token)
+	res, err = h.claimOf(t.Context(), c, true, dead.c.Token)
 	require.NoError(t, err)
 	require.True(t, res.Claimed, "TakeOver of an expired lease")
 	taken := h.leaseOf(c, res)
@@ -545,13 +635,13 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	// TakeOver of a key that is absent claims it, as Claim does.
 	absent := idemserver.Key{Key: "absent"}
 	c = h.newClaim(absent, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, "gone")
+	res, err = h.claimOf(t.Context(), c, true, "gone")
 	require.NoError(t, err)
 	assert.True(t, res.Claimed, "TakeOver of an absent key claims it")
 
 	// TakeOver of a completed key reports it.
 	c = h.newClaim(key, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, taken.c.Token)
+	res, err = h.claimOf(t.Context(), c, true, taken.c.Token)
 	require.NoError(t, err)
 	assert.False(t, res.Claimed, "TakeOver of a completed key")
 	require.True(t, res.Record.Completed())
@@ -585,7 +675,7 @@ func testConcurrentTakeOvers(t *testing.T, h *harness) {
 	for i := range claims {
 		claims[i] = h.newClaim(key, f, live)
 	}
-	concurrently(n, func(i int) { results[i], errs[i] = h.s.TakeOver(t.Context(), claims[i], dead.c.Token) })
+	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], true, dead.c.Token) })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
@@ -673,7 +763,7 @@ func testStaleTokens(t *testing.T, h *harness) {
 			l := h.mustClaim(key, f, short)
 			h.waitLeaseExpired(key, l)
 			c := h.newClaim(key, f, live)
-			res, err := h.s.TakeOver(h.t.Context(), c, l.c.Token)
+			res, err := h.claimOf(h.t.Context(), c, true, l.c.Token)
 			require.NoError(h.t, err)
 			require.True(h.t, res.Claimed)
 			return l, h.leaseOf(c, res)
@@ -804,13 +894,13 @@ func testCancelledContext(t *testing.T, h *harness) {
 
 	// Claim and TakeOver fail, and claim nothing.
 	key := idemserver.Key{Key: "claim"}
-	_, err := h.s.Claim(ctx, h.newClaim(key, f, live))
+	_, err := h.claimOf(ctx, h.newClaim(key, f, live), false, "")
 	require.Error(t, err, "Claim with a cancelled context")
 	h.expectFree(key)
 	if !h.tx {
 		l := h.mustClaim(key, f, short)
 		h.waitLeaseExpired(key, l)
-		_, err = h.s.TakeOver(ctx, h.newClaim(key, f, live), l.c.Token)
+		_, err = h.claimOf(ctx, h.newClaim(key, f, live), true, l.c.Token)
 		require.Error(t, err, "TakeOver with a cancelled context")
 		// The lease still holds l's token: the failed TakeOver took nothing.
 		rec := h.waitLeaseExpired(key, l)
@@ -826,7 +916,7 @@ func testCancelledContext(t *testing.T, h *harness) {
 		done func(*harness, idemserver.Key, lease)
 	}{
 		{"Complete", func(l lease) error {
-			return h.s.Complete(ctx, l.c.Key, l.c.Token, created, time.Now().Add(live))
+			return h.completeOf(ctx, l, created, time.Now().Add(live))
 		}, func(h *harness, key idemserver.Key, _ lease) { h.expectReplay(key, f, created) }},
 		{"Release", func(l lease) error {
 			return h.s.Release(ctx, l.c.Key, l.c.Token)

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -68,6 +69,29 @@ func (b *broken) Extend(ctx context.Context, k idemserver.Key, token string, exp
 	return b.MemoryStore.Extend(ctx, k, token, exp)
 }
 
+// brokenPacked is a broken store that is also an [idemserver.PackedStore],
+// whose packed methods are the MemoryStore's unless one breaks them, so
+// that the middleware and the suite call them.
+type brokenPacked struct {
+	*broken
+	claimPacked    func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error)
+	completePacked func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedCompletion) error
+}
+
+func (b *brokenPacked) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+	if b.claimPacked != nil {
+		return b.claimPacked(b.MemoryStore, ctx, c)
+	}
+	return b.MemoryStore.ClaimPacked(ctx, c)
+}
+
+func (b *brokenPacked) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
+	if b.completePacked != nil {
+		return b.completePacked(b.MemoryStore, ctx, c)
+	}
+	return b.MemoryStore.CompletePacked(ctx, c)
+}
+
 // peek returns the record of k without changing it, if there is one.
 func peek(ctx context.Context, s *idemserver.MemoryStore, k idemserver.Key) (idemserver.Record, bool) {
 	now := time.Now()
@@ -87,7 +111,9 @@ func peek(ctx context.Context, s *idemserver.MemoryStore, k idemserver.Key) (ide
 // the suite that must catch it.
 var brokenStores = map[string]struct {
 	store func(b *broken)
-	fails []string
+	// packed, when set, makes the store a PackedStore and breaks that.
+	packed func(b *brokenPacked)
+	fails  []string
 }{
 	"claims in-progress keys": {
 		store: func(b *broken) {
@@ -252,6 +278,69 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/CancelledContext"},
 	},
+	"accepts stale tokens when packed": {
+		packed: func(b *brokenPacked) {
+			b.completePacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedCompletion) error {
+				if rec, ok := peek(ctx, s, c.Key); ok && !rec.Completed() {
+					c.Token = rec.Token
+				}
+				return s.CompletePacked(ctx, c)
+			}
+		},
+		fails: []string{"Run/Packed/StaleTokens/wrong_token/Complete", "Run/Packed/LeaseExpiry"},
+	},
+	"trusts a completion's Ref": {
+		// As a store that finds the record by the claim's reference and
+		// checks neither its key nor its token.
+		packed: func(b *brokenPacked) {
+			var mu sync.Mutex
+			refs := make(map[uint64]idemserver.Key)
+			b.claimPacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+				res, err := s.ClaimPacked(ctx, c)
+				if err == nil && res.Claimed {
+					mu.Lock()
+					refs[res.Ref] = c.Key
+					mu.Unlock()
+				}
+				return res, err
+			}
+			b.completePacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedCompletion) error {
+				mu.Lock()
+				key, ok := refs[c.Ref]
+				mu.Unlock()
+				if ok {
+					if rec, found := peek(ctx, s, key); found && !rec.Completed() {
+						c.Key, c.Token = key, rec.Token
+					}
+				}
+				return s.CompletePacked(ctx, c)
+			}
+		},
+		fails: []string{"Run/Packed/StaleTokens/wrong_token/Complete", "Run/Packed/Lifecycle"},
+	},
+	"replays packed responses without their fields": {
+		packed: func(b *brokenPacked) {
+			b.claimPacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+				res, err := s.ClaimPacked(ctx, c)
+				if err == nil && !res.Response.IsZero() {
+					r := res.Response.Response()
+					r.Header = nil
+					res.Response = idemserver.PackResponse(r)
+				}
+				return res, err
+			}
+		},
+		fails: []string{"Run/Packed/Responses/multi-valued_fields", "Run/Packed/ClaimOutcomes"},
+	},
+	"ignores NewToken": {
+		packed: func(b *brokenPacked) {
+			b.claimPacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+				c.NewToken = nil
+				return s.ClaimPacked(ctx, c)
+			}
+		},
+		fails: []string{"Run/Packed/ClaimOutcomes"},
+	},
 	"takes over any lease": {
 		store: func(b *broken) {
 			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, _ string) (idemserver.ClaimResult, error) {
@@ -277,8 +366,13 @@ func TestBrokenStore(t *testing.T) {
 	}
 	newStore := func(t *testing.T) idemserver.Store {
 		b := &broken{MemoryStore: idemserver.NewMemoryStore()}
-		brokenStores[name].store(b)
 		t.Cleanup(func() { _ = b.MemoryStore.Close() })
+		if tt := brokenStores[name]; tt.packed != nil {
+			p := &brokenPacked{broken: b}
+			tt.packed(p)
+			return p
+		}
+		brokenStores[name].store(b)
 		return b
 	}
 	t.Run("Run", func(t *testing.T) { storetest.Run(t, newStore) })
