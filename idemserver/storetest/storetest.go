@@ -869,8 +869,28 @@ func testScopes(t *testing.T, h *harness) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := h.sub(t)
-			la := h.mustClaim(tt.a, f, live)
 			lb := h.mustClaim(tt.b, f, live)
+			var la lease
+			if h.tx {
+				la = h.mustClaim(tt.a, f, live)
+			} else {
+				// A lease that ended is taken over in its own scope,
+				// and its token takes nothing in the other.
+				dead := h.mustClaim(tt.a, f, short)
+				h.waitLeaseExpired(tt.a, dead)
+				c := h.newClaim(tt.b, f, live)
+				res, err := h.claimOf(t.Context(), c, true, dead.c.Token)
+				require.NoError(t, err)
+				require.False(t, res.Claimed, "TakeOver of the other scope's key, with this one's expired token")
+				h.assertInProgress(c, lb.c, res.Record)
+				c = h.newClaim(tt.a, f, live)
+				res, err = h.claimOf(t.Context(), c, true, dead.c.Token)
+				require.NoError(t, err)
+				require.True(t, res.Claimed, "TakeOver of an expired lease")
+				la = h.leaseOf(c, res)
+				h.expectInProgress(tt.a, la)
+				h.expectInProgress(tt.b, lb)
+			}
 			ra := &idemserver.Response{Status: http.StatusCreated, Body: []byte("a")}
 			rb := &idemserver.Response{Status: http.StatusCreated, Body: []byte("b")}
 			// A token is no passport into another scope.
@@ -878,6 +898,13 @@ func testScopes(t *testing.T, h *harness) {
 			cross.c.Key = tt.b
 			assert.ErrorIs(t, h.complete(cross, ra, live), idemserver.ErrLeaseLost)
 			assert.ErrorIs(t, h.release(cross), idemserver.ErrLeaseLost)
+			assert.ErrorIs(t, h.extend(cross, live), idemserver.ErrLeaseLost)
+			// Each lease is extended and released in its own scope.
+			require.NoError(t, h.extend(la, live))
+			h.expectInProgress(tt.a, la)
+			require.NoError(t, h.release(lb))
+			h.expectInProgress(tt.a, la)
+			lb = h.mustClaim(tt.b, f, live)
 			require.NoError(t, h.complete(la, ra, live))
 			h.expectInProgress(tt.b, lb)
 			require.NoError(t, h.complete(lb, rb, live))

@@ -224,6 +224,31 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/Scopes/trailing_space_in_the_key", "Run/Scopes/trailing_space_in_the_scope"},
 	},
+	"drops the scope in Extend": {
+		store: func(b *broken) {
+			b.extend = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error {
+				return s.Extend(ctx, idemserver.Key{Key: k.Key}, token, exp)
+			}
+		},
+		fails: []string{"Run/Scopes/same_key,_two_scopes"},
+	},
+	"drops the scope in Release": {
+		store: func(b *broken) {
+			b.release = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string) error {
+				return s.Release(ctx, idemserver.Key{Key: k.Key}, token)
+			}
+		},
+		fails: []string{"Run/Scopes/same_key,_two_scopes"},
+	},
+	"drops the scope in TakeOver": {
+		store: func(b *broken) {
+			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				c.Key = idemserver.Key{Key: c.Key.Key}
+				return s.TakeOver(ctx, c, token)
+			}
+		},
+		fails: []string{"Run/Scopes/same_key,_two_scopes"},
+	},
 	"keeps a record only until its lease ends": {
 		// As a store that sets the record's time to live when it claims
 		// and forgets to move it on when it completes.
