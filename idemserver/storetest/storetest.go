@@ -836,6 +836,32 @@ func testResponses(t *testing.T, h *harness) {
 			h.expectReplay(key, f, want)
 		})
 	}
+
+	// A middleware may keep bodies larger than its default limit (see
+	// idemserver.WithMaxResponseBytes). A store may refuse one it cannot
+	// hold, but never keep less of it than it was given.
+	t.Run("larger than the default limit", func(t *testing.T) {
+		h := h.sub(t)
+		body := make([]byte, 3*idemserver.DefaultMaxResponseBytes+1)
+		for i := range body {
+			body[i] = byte(i * 13 % 241)
+		}
+		resp := &idemserver.Response{Status: http.StatusOK, Body: body}
+		want := cloneResponse(resp)
+		key := idemserver.Key{Key: "response/larger"}
+		f := fp("larger")
+		l := h.mustClaim(key, f, live)
+		if err := h.complete(l, resp, live); err != nil {
+			// Refused, the claim is left as it was (a transactional
+			// store's, rolled back).
+			t.Logf("the store refused a body of %d bytes: %v", len(body), err)
+			if !h.tx {
+				h.expectInProgress(key, l)
+			}
+			return
+		}
+		h.expectReplay(key, f, want)
+	})
 }
 
 // cloneResponse returns a deep copy of r.

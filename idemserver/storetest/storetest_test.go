@@ -158,6 +158,18 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/Responses/1_MiB_body", "HTTP/LargeResponse"},
 	},
+	"truncates bodies past the default response limit": {
+		// As a store whose column or value has a size limit it does not
+		// check.
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				r := *resp
+				r.Body = r.Body[:min(len(r.Body), idemserver.DefaultMaxResponseBytes)]
+				return s.Complete(ctx, k, token, &r, exp)
+			}
+		},
+		fails: []string{"Run/Responses/larger_than_the_default_limit"},
+	},
 	"drops repeated header values": {
 		store: func(b *broken) {
 			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
