@@ -162,11 +162,15 @@ WHERE scope = $1 AND key = $2 AND token = $6 AND expires_at <= now()`),
 		// complete measures the retention from the statement, not from
 		// now(), the start of its transaction: in transactional mode that
 		// is the claim, and the handler may have run for longer than the
-		// retention since.
+		// retention since. A completion sent again, after the answer to
+		// one that stored its response was lost, finds that response
+		// under its token (tokens are unique to a claim) and succeeds,
+		// rather than report the lease lost to a client whose outcome
+		// is kept.
 		complete: r.Replace(`UPDATE {table}
 SET response = $4, expires_at = statement_timestamp() + $5::float8 * interval '1 second',
 	sweep_at = greatest(sweep_at, statement_timestamp() + $5::float8 * interval '1 second')
-WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
+WHERE scope = $1 AND key = $2 AND token = $3 AND (response IS NULL OR response = $4)`),
 		release: r.Replace(`DELETE FROM {table}
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		extend: r.Replace(`UPDATE {table}
