@@ -20,7 +20,11 @@
 // or by a clock of its own, such as a database's now(). The suite works with
 // either, because it never fakes time: every Claim it makes has Now set to
 // time.Now() and LeaseExpires to Now plus a duration, and every expiry it
-// passes to Complete or Extend is time.Now() plus a duration. A live lease
+// passes to Complete or Extend is time.Now() plus a duration. The
+// exceptions check the boundary: a claim and a takeover stamped at exactly
+// the instant a record expired or a lease ended, which the suite makes only
+// once the store reports that instant passed, so that a store on either
+// clock must find the record absent and the lease ended. A live lease
 // or record lasts an hour, far longer than any test, so nothing the suite
 // expects to be live can expire while it runs. A lease or record meant to
 // expire lasts a millisecond, and the suite then polls the store, for up to
@@ -593,6 +597,23 @@ func testExpiry(t *testing.T, h *harness) {
 	l := h.waitClaimed(expiring, fp("a different request"))
 	h.expectInProgress(expiring, l)
 	h.expectReplay(kept, f, created)
+
+	// A record is absent from the instant it expires: a claim stamped at
+	// exactly that instant finds it absent. (A store on a clock of its own
+	// sees a claim made after the record expired on that clock.)
+	atExpiry, marker := idemserver.Key{Key: "at expiry"}, idemserver.Key{Key: "at expiry marker"}
+	expires := time.Now().Add(short)
+	done := h.mustClaim(atExpiry, f, live)
+	require.NoError(t, h.completeOf(context.WithoutCancel(done.ctx), done, created, expires))
+	// The marker expires after the key, whatever the store's clock.
+	require.NoError(t, h.complete(h.mustClaim(marker, f, live), created, short+100*time.Millisecond))
+	h.waitClaimed(marker, f)
+	c := h.newClaim(atExpiry, fp("a different request"), live)
+	c.Now, c.LeaseExpires = expires, expires.Add(live)
+	res, err := h.claimOf(t.Context(), c, false, "")
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "a claim stamped at the record's expiry finds it absent; found %+v", res.Record)
+	h.leaseOf(c, res)
 }
 
 func testLeaseExpiry(t *testing.T, h *harness) {
@@ -609,6 +630,18 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	require.NoError(t, err)
 	assert.False(t, res.Claimed, "TakeOver of a live lease")
 	h.expectInProgress(holder.c.Key, holder)
+
+	// A lease has ended from the instant it ends: a TakeOver stamped at
+	// exactly that instant takes it over.
+	endKey := idemserver.Key{Key: "lease end"}
+	ending := h.mustClaim(endKey, f, short)
+	h.waitLeaseExpired(endKey, ending)
+	atEnd := h.newClaim(endKey, f, live)
+	atEnd.Now, atEnd.LeaseExpires = ending.c.LeaseExpires, ending.c.LeaseExpires.Add(live)
+	res, err = h.claimOf(t.Context(), atEnd, true, ending.c.Token)
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "a TakeOver stamped at the lease's end; found %+v", res.Record)
+	h.expectInProgress(endKey, h.leaseOf(atEnd, res))
 
 	// TakeOver names the expired token: a wrong one takes nothing.
 	c := h.newClaim(key, f, live)

@@ -170,6 +170,25 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/Responses/larger_than_the_default_limit"},
 	},
+	"keeps a record at its expiry": {
+		// As a store that compares the expiry with < where <= belongs.
+		store: func(b *broken) {
+			b.claim = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				c.Now = c.Now.Add(-time.Nanosecond)
+				return s.Claim(ctx, c)
+			}
+		},
+		fails: []string{"Run/Expiry"},
+	},
+	"keeps a lease at its end": {
+		store: func(b *broken) {
+			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				c.Now = c.Now.Add(-time.Nanosecond)
+				return s.TakeOver(ctx, c, token)
+			}
+		},
+		fails: []string{"Run/LeaseExpiry"},
+	},
 	"drops repeated header values": {
 		store: func(b *broken) {
 			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
