@@ -91,8 +91,9 @@ const (
 // The suite covers what each answer of Claim reports, the life of a record
 // from claim to completion or release, expiry of records and leases,
 // Extend, takeovers, ErrLeaseLost for stale lease tokens, concurrent
-// claims and takeovers (exactly one winner), responses kept byte for byte,
-// scopes kept apart, and cancelled contexts.
+// claims and takeovers (exactly one winner), a completion racing takeovers
+// (the one or a takeover wins), responses kept byte for byte, scopes kept
+// apart, and cancelled contexts.
 //
 // A store that implements [idemserver.PackedStore] is checked twice: once
 // through Claim, TakeOver and Complete, and once, in the subtests under
@@ -111,6 +112,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"LeaseExpiry", testLeaseExpiry},
 		{"CompleteAfterLeaseEnded", testCompleteAfterLeaseEnded},
 		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
+		{"CompleteRacesTakeOvers", testCompleteRacesTakeOvers},
 		{"Extend", testExtend},
 		{"StaleTokens", testStaleTokens},
 		{"Responses", testResponses},
@@ -718,6 +720,53 @@ func testConcurrentTakeOvers(t *testing.T, h *harness) {
 	assert.ErrorIs(t, h.complete(dead, created, live), idemserver.ErrLeaseLost)
 	require.NoError(t, h.complete(l, created, live))
 	h.expectReplay(key, f, created)
+}
+
+func testCompleteRacesTakeOvers(t *testing.T, h *harness) {
+	// The holder of a lease that ended completes it while others take it
+	// over: either the completion or one takeover wins, never both. A store
+	// that checks the token and then writes, in two steps, would let a
+	// takeover in between, and store the old handler's response on the
+	// new claim's record while its handler runs again.
+	const rounds, n = 20, 8
+	f := fp("request")
+	for round := range rounds {
+		key := idemserver.Key{Key: "race/" + strconv.Itoa(round)}
+		dead := h.mustClaim(key, f, short)
+		h.waitLeaseExpired(key, dead)
+		claims := make([]idemserver.Claim, n)
+		results := make([]idemserver.ClaimResult, n)
+		errs := make([]error, n)
+		for i := range claims {
+			claims[i] = h.newClaim(key, f, live)
+		}
+		var completeErr error
+		concurrently(n+1, func(i int) {
+			if i == n {
+				completeErr = h.complete(dead, created, live)
+				return
+			}
+			results[i], errs[i] = h.claimOf(t.Context(), claims[i], true, dead.c.Token)
+		})
+		winner, winners := -1, 0
+		for i, res := range results {
+			require.NoError(t, errs[i], "takeover %d", i)
+			if res.Claimed {
+				winner, winners = i, winners+1
+			}
+		}
+		if completeErr != nil {
+			require.ErrorIs(t, completeErr, idemserver.ErrLeaseLost)
+		}
+		require.LessOrEqual(t, winners, 1, "takeovers won")
+		require.True(t, (completeErr == nil) != (winners == 1),
+			"either the completion (err %v) or one takeover (%d won) wins, round %d", completeErr, winners, round)
+		if completeErr == nil {
+			h.expectReplay(key, f, created)
+			continue
+		}
+		h.expectInProgress(key, h.leaseOf(claims[winner], results[winner]))
+	}
 }
 
 func testExtend(t *testing.T, h *harness) {

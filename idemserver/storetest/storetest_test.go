@@ -189,6 +189,23 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/LeaseExpiry"},
 	},
+	"checks the token, then completes": {
+		// As a store that reads the record, checks the token, and then
+		// writes the response by key, in two steps.
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); !ok || rec.Completed() || rec.Token != token {
+					return idemserver.ErrLeaseLost
+				}
+				time.Sleep(time.Millisecond)
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() {
+					token = rec.Token
+				}
+				return s.Complete(ctx, k, token, resp, exp)
+			}
+		},
+		fails: []string{"Run/CompleteRacesTakeOvers"},
+	},
 	"drops repeated header values": {
 		store: func(b *broken) {
 			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
