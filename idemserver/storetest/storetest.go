@@ -275,6 +275,16 @@ func (h *harness) newClaim(key idemserver.Key, f idemserver.Fingerprint, d time.
 	}
 }
 
+// newClaims returns n claims of key, as newClaim makes them with a live
+// lease, and room for their answers.
+func (h *harness) newClaims(key idemserver.Key, f idemserver.Fingerprint, n int) ([]idemserver.Claim, []idemserver.ClaimResult, []error) {
+	claims := make([]idemserver.Claim, n)
+	for i := range claims {
+		claims[i] = h.newClaim(key, f, live)
+	}
+	return claims, make([]idemserver.ClaimResult, n), make([]error, n)
+}
+
 // claim claims key and returns the claim and the store's answer.
 func (h *harness) claim(key idemserver.Key, f idemserver.Fingerprint, d time.Duration) (lease, idemserver.ClaimResult) {
 	h.t.Helper()
@@ -522,12 +532,7 @@ func testConcurrentClaims(t *testing.T, h *harness) {
 	const n = 200
 	key := idemserver.Key{Key: "contended"}
 	f := fp("request")
-	claims := make([]idemserver.Claim, n)
-	results := make([]idemserver.ClaimResult, n)
-	errs := make([]error, n)
-	for i := range claims {
-		claims[i] = h.newClaim(key, f, live)
-	}
+	claims, results, errs := h.newClaims(key, f, n)
 	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], false, "") })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
@@ -575,12 +580,7 @@ func testConcurrentClaimsOfExpiredRecord(t *testing.T, h *harness) {
 	h.waitClaimed(marker, f)
 
 	const n = 200
-	claims := make([]idemserver.Claim, n)
-	results := make([]idemserver.ClaimResult, n)
-	errs := make([]error, n)
-	for i := range claims {
-		claims[i] = h.newClaim(key, fp("new request"), live)
-	}
+	claims, results, errs := h.newClaims(key, fp("new request"), n)
 	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], false, "") })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
@@ -704,12 +704,7 @@ func testConcurrentTakeOvers(t *testing.T, h *harness) {
 	dead := h.mustClaim(key, f, short)
 	h.waitLeaseExpired(key, dead)
 
-	claims := make([]idemserver.Claim, n)
-	results := make([]idemserver.ClaimResult, n)
-	errs := make([]error, n)
-	for i := range claims {
-		claims[i] = h.newClaim(key, f, live)
-	}
+	claims, results, errs := h.newClaims(key, f, n)
 	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], true, dead.c.Token) })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
@@ -734,12 +729,7 @@ func testCompleteRacesTakeOvers(t *testing.T, h *harness) {
 		key := idemserver.Key{Key: "race/" + strconv.Itoa(round)}
 		dead := h.mustClaim(key, f, short)
 		h.waitLeaseExpired(key, dead)
-		claims := make([]idemserver.Claim, n)
-		results := make([]idemserver.ClaimResult, n)
-		errs := make([]error, n)
-		for i := range claims {
-			claims[i] = h.newClaim(key, f, live)
-		}
+		claims, results, errs := h.newClaims(key, f, n)
 		var completeErr error
 		concurrently(n+1, func(i int) {
 			if i == n {
