@@ -23,7 +23,8 @@ import (
 )
 
 // commitCutter is a TCP proxy in front of PostgreSQL that, once armed,
-// loses the connection that sends a COMMIT: before the COMMIT reaches the
+// loses the connection that sends a COMMIT (or, with cutAt, another simple
+// query that begins so): before the COMMIT reaches the
 // server (nothing is committed), or after the server answered it
 // (everything is), before the answer reaches the client. Either way the
 // client cannot tell which. In place of the server's answer it may send one
@@ -34,6 +35,7 @@ type commitCutter struct {
 	target   string
 	deliver  bool   // forward the COMMIT before cutting
 	answer   []byte // sent to the client in place of the server's answer
+	cutAt    string // the lower-case start of the query to cut at; "commit" if empty
 	armed    atomic.Bool
 	cut      atomic.Bool
 	wg       sync.WaitGroup
@@ -146,7 +148,11 @@ func (p *commitCutter) relay(client, server net.Conn, dropReplies *atomic.Bool) 
 			return err
 		}
 		msg := append(hdr[:], body...)
-		if hdr[0] == 'Q' && bytes.HasPrefix(bytes.ToLower(body), []byte("commit")) && p.armed.CompareAndSwap(true, false) {
+		cutAt := p.cutAt
+		if cutAt == "" {
+			cutAt = "commit"
+		}
+		if hdr[0] == 'Q' && bytes.HasPrefix(bytes.ToLower(body), []byte(cutAt)) && p.armed.CompareAndSwap(true, false) {
 			p.cut.Store(true)
 			if !p.deliver {
 				_ = client.Close()

@@ -252,6 +252,51 @@ func TestUnreadableResponseFailsClosed(t *testing.T) {
 	assert.Zero(t, runs)
 }
 
+func TestDamagedResponseFailsClosed(t *testing.T) {
+	// A stored response that is damaged is never replayed, in part or
+	// misread, and never taken for an absent one that would run the
+	// handler again: Claim fails, and the middleware answers 503 without
+	// running the handler, in either mode.
+	good := respcodec.Encode(&idemserver.Response{Status: 201, Header: http.Header{"Location": {"/p/1"}}, Body: []byte("created")})
+	for _, tt := range []struct {
+		name   string
+		stored []byte
+	}{
+		{"empty", []byte{}},
+		{"version only", good[:1]},
+		{"body cut short", good[:len(good)-1]},
+		{"header cut short", good[:6]},
+		{"bytes after the body", append(append([]byte(nil), good...), 'x')},
+		{"body length past the end", func() []byte {
+			b := append([]byte(nil), good...)
+			b[len(b)-len("created")-1] = 0x7f
+			return b
+		}()},
+	} {
+		for _, mode := range modes {
+			t.Run(tt.name+"/"+mode.name, func(t *testing.T) {
+				db := newTestDB(t, 4)
+				s := db.newStore(t, mode.opts...)
+				_, err := db.ExecContext(t.Context(), "INSERT INTO "+s.table.quoted()+
+					" (scope, key, fingerprint, token, expires_at, response) VALUES ('', 'k', $1, 't', now() + interval '1 hour', $2)",
+					fingerprintOf("b"), tt.stored)
+				require.NoError(t, err)
+
+				_, err = s.Claim(t.Context(), testClaim("k", time.Hour))
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), `"k"`)
+
+				runs := 0
+				h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { runs++ }))
+				status, body, _ := post(h, "k")
+				assert.Equal(t, http.StatusServiceUnavailable, status, body)
+				assert.NotContains(t, body, "created")
+				assert.Zero(t, runs)
+			})
+		}
+	}
+}
+
 var _ idemserver.PackedStore = (*Store)(nil)
 
 // modes are the store's two modes, as options of New.

@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"strings"
@@ -162,11 +163,15 @@ WHERE scope = $1 AND key = $2 AND token = $6 AND expires_at <= now()`),
 		// complete measures the retention from the statement, not from
 		// now(), the start of its transaction: in transactional mode that
 		// is the claim, and the handler may have run for longer than the
-		// retention since.
+		// retention since. A completion sent again, after the answer to
+		// one that stored its response was lost, finds that response
+		// under its token (tokens are unique to a claim) and succeeds,
+		// rather than report the lease lost to a client whose outcome
+		// is kept.
 		complete: r.Replace(`UPDATE {table}
 SET response = $4, expires_at = statement_timestamp() + $5::float8 * interval '1 second',
 	sweep_at = greatest(sweep_at, statement_timestamp() + $5::float8 * interval '1 second')
-WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
+WHERE scope = $1 AND key = $2 AND token = $3 AND (response IS NULL OR response = $4)`),
 		release: r.Replace(`DELETE FROM {table}
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		extend: r.Replace(`UPDATE {table}
@@ -241,6 +246,11 @@ const (
 	upgradeDropIndex  = `DROP INDEX IF EXISTS {old_index}`
 )
 
+// earlierColumns are the columns of a store's table before sweep_at, as
+// PostgreSQL array text, for Migrate to tell a table of the earlier schema
+// from another that has the store's name.
+const earlierColumns = "{scope,key,fingerprint,token,expires_at,response}"
+
 // migrateLockTimeout is how long Migrate's DDL waits for the table's lock
 // before it fails.
 const migrateLockTimeout = "10s"
@@ -248,7 +258,9 @@ const migrateLockTimeout = "10s"
 // Migrate creates the store's table and its index unless they exist, and
 // brings a table of the earlier schema (without sweep_at) to this one. It
 // is safe to run at every start, from several instances at once: an
-// advisory lock makes them take turns. Teams that run their own migrations can apply
+// advisory lock makes them take turns. A table of the store's name that
+// lacks one of the store's columns is someone else's: Migrate changes
+// nothing and returns an error that says so. Teams that run their own migrations can apply
 // the same SQL, shown in docs/pgstore.md, instead.
 func (s *Store) Migrate(ctx context.Context) error {
 	tx, err := s.db.BeginTx(ctx, nil)
@@ -259,17 +271,25 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(migrateLock)); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
-	// A table of the earlier schema has expires_at and no sweep_at; a
-	// current one has sweep_at and its index.
-	var hasExpiresAt, hasSweepAt, hasIndex bool
+	// A table of the earlier schema has the columns of earlierColumns and
+	// no sweep_at; a current one has sweep_at and its index. A table that
+	// lacks one of earlierColumns is not the store's, and is left alone.
+	var exists, hasSweepAt, hasIndex bool
+	var missing sql.NullString
 	if err := tx.QueryRowContext(ctx, `SELECT
-	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'expires_at' AND NOT attisdropped),
+	to_regclass($1) IS NOT NULL,
+	(SELECT string_agg(name, ', ') FROM unnest($3::text[]) AS name
+		WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = name AND NOT attisdropped)),
 	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped),
 	EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass($1) AND c.relname = $2)`,
-		s.table.quoted(), s.table.name+"_sweep_at").Scan(&hasExpiresAt, &hasSweepAt, &hasIndex); err != nil {
+		s.table.quoted(), s.table.name+"_sweep_at", earlierColumns).Scan(&exists, &missing, &hasSweepAt, &hasIndex); err != nil {
 		return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
 	}
-	earlier, current := hasExpiresAt && !hasSweepAt, hasSweepAt && hasIndex
+	if exists && missing.Valid {
+		return fmt.Errorf("pgstore: migrate: %s exists and is not a store's table: it has no column %s; name another with WithTable",
+			s.table.quoted(), missing.String)
+	}
+	earlier, current := exists && !hasSweepAt, hasSweepAt && hasIndex
 	if current {
 		// Even CREATE … IF NOT EXISTS locks the table first, and would
 		// queue behind every transactional-mode claim in flight, and every

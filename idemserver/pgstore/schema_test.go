@@ -185,3 +185,37 @@ func TestMigrateUpgradesAnEarlierTable(t *testing.T) {
 		})
 	}
 }
+
+func TestMigrateLeavesAForeignTableAlone(t *testing.T) {
+	// A table of the store's name that the store did not make (another
+	// library's, say, with an expires_at column and an index named as the
+	// earlier schema's was) is refused with an error that names it, and
+	// left as it was: no column added, no index dropped, no row rewritten.
+	db := newTestDB(t, 4)
+	s, err := New(db.DB)
+	require.NoError(t, err)
+	for _, q := range []string{
+		`CREATE TABLE "idempotency_keys" (id serial PRIMARY KEY, key text NOT NULL, expires_at timestamptz NOT NULL)`,
+		`CREATE INDEX "idempotency_keys_expires_at" ON "idempotency_keys" (expires_at)`,
+		`INSERT INTO "idempotency_keys" (key, expires_at) VALUES ('theirs', now())`,
+	} {
+		_, err := db.ExecContext(t.Context(), q)
+		require.NoError(t, err)
+	}
+	columns := func() []string {
+		return queryStrings(t, db.DB, `SELECT attname FROM pg_attribute
+WHERE attrelid = '"idempotency_keys"'::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum`)
+	}
+	indexes := func() []string {
+		return queryStrings(t, db.DB, `SELECT indexname FROM pg_indexes WHERE schemaname = $1 AND tablename = 'idempotency_keys' ORDER BY indexname`, db.schema)
+	}
+	wantColumns, wantIndexes := columns(), indexes()
+
+	err = s.Migrate(t.Context())
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), `"idempotency_keys"`)
+	assert.Contains(t, err.Error(), "scope")
+	assert.Equal(t, wantColumns, columns(), "the table's columns")
+	assert.Equal(t, wantIndexes, indexes(), "the table's indexes")
+	assert.Equal(t, []string{"theirs"}, keysIn(t, db, s))
+}

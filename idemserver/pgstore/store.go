@@ -109,6 +109,11 @@
 // middleware compares them with Claim.Now as it would a time of its own,
 // and a faked clock, given to both, does not move the database's.
 //
+// So the database server's clock must be slewed, not stepped: a step
+// forward ends every lease and retention it passes at once, so that a
+// retry takes over a handler that is still running, or runs again a key
+// whose outcome was stored, and the handler runs twice.
+//
 // # Stored responses
 //
 // A response is kept in a bytea column in a compact binary form whose

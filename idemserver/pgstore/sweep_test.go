@@ -87,6 +87,25 @@ func TestSweepInBatches(t *testing.T) {
 	assert.Error(t, err)
 }
 
+func TestSweepLimits(t *testing.T) {
+	db := newTestDB(t, 4)
+	s := db.newStore(t)
+	live := fillForSweep(t, db, s, 5)
+	for _, limit := range []int{0, -1, math.MinInt} {
+		n, err := s.Sweep(t.Context(), limit)
+		assert.Error(t, err, "limit %d", limit)
+		assert.Zero(t, n)
+	}
+	assert.Len(t, keysIn(t, db, s), 5+len(live), "a refused limit deletes nothing")
+	n, err := s.Sweep(t.Context(), 1)
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+	n, err = s.Sweep(t.Context(), math.MaxInt)
+	require.NoError(t, err)
+	assert.Equal(t, 4, n)
+	assert.Equal(t, live, keysIn(t, db, s), "only the live records remain")
+}
+
 func TestSweepConcurrently(t *testing.T) {
 	// Several instances sweeping at once delete each expired row once and
 	// never a live one.

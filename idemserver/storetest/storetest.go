@@ -20,7 +20,11 @@
 // or by a clock of its own, such as a database's now(). The suite works with
 // either, because it never fakes time: every Claim it makes has Now set to
 // time.Now() and LeaseExpires to Now plus a duration, and every expiry it
-// passes to Complete or Extend is time.Now() plus a duration. A live lease
+// passes to Complete or Extend is time.Now() plus a duration. The
+// exceptions check the boundary: a claim and a takeover stamped at exactly
+// the instant a record expired or a lease ended, which the suite makes only
+// once the store reports that instant passed, so that a store on either
+// clock must find the record absent and the lease ended. A live lease
 // or record lasts an hour, far longer than any test, so nothing the suite
 // expects to be live can expire while it runs. A lease or record meant to
 // expire lasts a millisecond, and the suite then polls the store, for up to
@@ -87,8 +91,16 @@ const (
 // The suite covers what each answer of Claim reports, the life of a record
 // from claim to completion or release, expiry of records and leases,
 // Extend, takeovers, ErrLeaseLost for stale lease tokens, concurrent
-// claims and takeovers (exactly one winner), responses kept byte for byte,
-// scopes kept apart, and cancelled contexts.
+// claims and takeovers (exactly one winner), a completion racing takeovers
+// (the one or a takeover wins), responses kept byte for byte, scopes kept
+// apart, and cancelled contexts.
+//
+// A store that implements [idemserver.PackedStore] is checked twice: once
+// through Claim, TakeOver and Complete, and once, in the subtests under
+// "Packed", through ClaimPacked and CompletePacked, which the middleware
+// calls in their place. The second pass also checks what PackedStore adds:
+// that a claim's token is the one NewToken made, made at most once, and that
+// a completion is judged by its key and token whatever its Ref.
 func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 	t.Helper()
 	run(t, newStore, false, []subtest{
@@ -100,6 +112,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"LeaseExpiry", testLeaseExpiry},
 		{"CompleteAfterLeaseEnded", testCompleteAfterLeaseEnded},
 		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
+		{"CompleteRacesTakeOvers", testCompleteRacesTakeOvers},
 		{"Extend", testExtend},
 		{"StaleTokens", testStaleTokens},
 		{"Responses", testResponses},
@@ -117,6 +130,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 // a concurrent claim of it is reported in progress with the claimant's own
 // fingerprint and a lease that has not ended (the uncommitted record cannot
 // be read). Each claim the suite wins is ended before its subtest does.
+// A PackedStore is checked through both sets of methods, as [Run] does.
 func RunTransactional(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 	t.Helper()
 	run(t, newStore, true, []subtest{
@@ -142,9 +156,19 @@ func run(t *testing.T, newStore func(t *testing.T) idemserver.Store, tx bool, te
 	t.Helper()
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tt.run(t, &harness{t: t, s: newStore(t), tokens: new(atomic.Int64), tx: tx})
+			tt.run(t, newHarness(t, newStore(t), tx, false))
 		})
 	}
+	t.Run("Packed", func(t *testing.T) {
+		if _, ok := newStore(t).(idemserver.PackedStore); !ok {
+			t.Skip("the store is not an idemserver.PackedStore")
+		}
+		for _, tt := range tests {
+			t.Run(tt.name, func(t *testing.T) {
+				tt.run(t, newHarness(t, newStore(t), tx, true))
+			})
+		}
+	})
 }
 
 // harness makes claims on one store and checks the answers.
@@ -153,11 +177,76 @@ type harness struct {
 	s      idemserver.Store
 	tokens *atomic.Int64
 	tx     bool // the store holds claims in transactions; see RunTransactional
+	// packed, when not nil, is s, whose PackedStore methods the harness
+	// calls in place of Claim, TakeOver and Complete.
+	packed idemserver.PackedStore
+	// refs maps the token of each packed claim won to its Ref.
+	refs *sync.Map
+}
+
+// newHarness returns a harness on s; with packed, s is a PackedStore and
+// the harness calls its packed methods.
+func newHarness(t *testing.T, s idemserver.Store, tx, packed bool) *harness {
+	h := &harness{t: t, s: s, tokens: new(atomic.Int64), tx: tx, refs: new(sync.Map)}
+	if packed {
+		h.packed = s.(idemserver.PackedStore)
+	}
+	return h
 }
 
 // sub returns a harness for the subtest t on the same store.
 func (h *harness) sub(t *testing.T) *harness {
-	return &harness{t: t, s: h.s, tokens: h.tokens, tx: h.tx}
+	c := *h
+	c.t = t
+	return &c
+}
+
+// claimOf is s.Claim, or s.TakeOver of expiredToken's lease when takeOver
+// is set, or ClaimPacked in their place.
+func (h *harness) claimOf(ctx context.Context, c idemserver.Claim, takeOver bool, expiredToken string) (idemserver.ClaimResult, error) {
+	if h.packed == nil {
+		if takeOver {
+			return h.s.TakeOver(ctx, c, expiredToken)
+		}
+		return h.s.Claim(ctx, c)
+	}
+	// The middleware has the store make the token with NewToken; half the
+	// claims give it in the claim instead.
+	pc := idemserver.PackedClaim{Claim: c, TakeOver: takeOver, ExpiredToken: expiredToken}
+	made := 0
+	if n, _ := strconv.ParseInt(strings.TrimPrefix(c.Token, "token-"), 10, 64); n%2 == 0 {
+		pc.Claim.Token = ""
+		pc.NewToken = func() string { made++; return c.Token }
+	}
+	res, err := h.packed.ClaimPacked(ctx, pc)
+	if err != nil {
+		return res.ClaimResult, err
+	}
+	assert.LessOrEqual(h.t, made, 1, "ClaimPacked calls NewToken at most once")
+	assert.Nil(h.t, res.Record.Response, "ClaimPacked returns a response packed, not in the record")
+	out := res.ClaimResult
+	if res.Claimed {
+		assert.Equal(h.t, c.Token, res.Token, "the token of a packed claim: Claim.Token, or the one NewToken made")
+		if pc.NewToken != nil {
+			assert.Equal(h.t, 1, made, "a claim won with NewToken set is made with its token")
+		}
+		assert.True(h.t, res.Response.IsZero(), "a claim won has no response")
+		h.refs.Store(c.Token, res.Ref)
+	} else if !res.Response.IsZero() {
+		out.Record.Response = res.Response.Response()
+	}
+	return out, nil
+}
+
+// completeOf is s.Complete of l, or CompletePacked with l's Ref.
+func (h *harness) completeOf(ctx context.Context, l lease, resp *idemserver.Response, expires time.Time) error {
+	if h.packed == nil {
+		return h.s.Complete(ctx, l.c.Key, l.c.Token, resp, expires)
+	}
+	return h.packed.CompletePacked(ctx, idemserver.PackedCompletion{
+		Key: l.c.Key, Token: l.c.Token, Ref: l.ref,
+		Response: idemserver.PackResponse(resp), Now: time.Now(), Expires: expires,
+	})
 }
 
 // fp returns a fingerprint named by s.
@@ -167,6 +256,10 @@ func fp(s string) idemserver.Fingerprint { return sha256.Sum256([]byte(s)) }
 type lease struct {
 	c   idemserver.Claim
 	ctx context.Context
+	// ref is the claim's PackedClaimResult.Ref, when the harness claimed
+	// it packed. A stale lease made from another keeps that one's Ref, so
+	// that the store is seen to check a completion's key and token.
+	ref uint64
 }
 
 // newClaim returns a claim of key with a new token, stamped now, whose
@@ -182,11 +275,21 @@ func (h *harness) newClaim(key idemserver.Key, f idemserver.Fingerprint, d time.
 	}
 }
 
+// newClaims returns n claims of key, as newClaim makes them with a live
+// lease, and room for their answers.
+func (h *harness) newClaims(key idemserver.Key, f idemserver.Fingerprint, n int) ([]idemserver.Claim, []idemserver.ClaimResult, []error) {
+	claims := make([]idemserver.Claim, n)
+	for i := range claims {
+		claims[i] = h.newClaim(key, f, live)
+	}
+	return claims, make([]idemserver.ClaimResult, n), make([]error, n)
+}
+
 // claim claims key and returns the claim and the store's answer.
 func (h *harness) claim(key idemserver.Key, f idemserver.Fingerprint, d time.Duration) (lease, idemserver.ClaimResult) {
 	h.t.Helper()
 	c := h.newClaim(key, f, d)
-	res, err := h.s.Claim(h.t.Context(), c)
+	res, err := h.claimOf(h.t.Context(), c, false, "")
 	require.NoError(h.t, err, "Claim(%v)", key)
 	return h.leaseOf(c, res), res
 }
@@ -196,6 +299,9 @@ func (h *harness) claim(key idemserver.Key, f idemserver.Fingerprint, d time.Dur
 // transactional store's transaction ends with it.
 func (h *harness) leaseOf(c idemserver.Claim, res idemserver.ClaimResult) lease {
 	l := lease{c: c, ctx: h.t.Context()}
+	if ref, ok := h.refs.Load(c.Token); ok {
+		l.ref = ref.(uint64)
+	}
 	if res.Claimed && res.Context != nil {
 		l.ctx = res.Context
 	}
@@ -215,7 +321,7 @@ func (h *harness) mustClaim(key idemserver.Key, f idemserver.Fingerprint, d time
 
 // complete completes l with resp, kept for d.
 func (h *harness) complete(l lease, resp *idemserver.Response, d time.Duration) error {
-	return h.s.Complete(context.WithoutCancel(l.ctx), l.c.Key, l.c.Token, resp, time.Now().Add(d))
+	return h.completeOf(context.WithoutCancel(l.ctx), l, resp, time.Now().Add(d))
 }
 
 func (h *harness) release(l lease) error {
@@ -231,7 +337,7 @@ func (h *harness) extend(l lease, d time.Duration) error {
 func (h *harness) expectInProgress(key idemserver.Key, l lease) {
 	h.t.Helper()
 	c := h.newClaim(key, fp("other request"), live)
-	res, err := h.s.Claim(h.t.Context(), c)
+	res, err := h.claimOf(h.t.Context(), c, false, "")
 	require.NoError(h.t, err)
 	require.False(h.t, res.Claimed, "the key should be in progress")
 	h.assertInProgress(c, l.c, res.Record)
@@ -257,7 +363,7 @@ func (h *harness) assertInProgress(c, holder idemserver.Claim, rec idemserver.Re
 func (h *harness) expectReplay(key idemserver.Key, f idemserver.Fingerprint, resp *idemserver.Response) {
 	h.t.Helper()
 	c := h.newClaim(key, f, live)
-	res, err := h.s.Claim(h.t.Context(), c)
+	res, err := h.claimOf(h.t.Context(), c, false, "")
 	require.NoError(h.t, err)
 	require.False(h.t, res.Claimed, "the key should be completed")
 	require.True(h.t, res.Record.Completed(), "the record should hold a response")
@@ -280,7 +386,7 @@ func (h *harness) waitLeaseExpired(key idemserver.Key, l lease) idemserver.Recor
 	deadline := time.Now().Add(pollLimit)
 	for {
 		c := h.newClaim(key, l.c.Fingerprint, live)
-		res, err := h.s.Claim(h.t.Context(), c)
+		res, err := h.claimOf(h.t.Context(), c, false, "")
 		require.NoError(h.t, err)
 		require.False(h.t, res.Claimed, "Claim must not take over an in-progress record, even one whose lease ended")
 		require.False(h.t, res.Record.Completed())
@@ -369,7 +475,7 @@ func testClaimOutcomes(t *testing.T, h *harness) {
 	// is reported with its own fingerprint, token and lease.
 	for _, f := range []idemserver.Fingerprint{a, b} {
 		c := h.newClaim(key, f, live)
-		res, err := h.s.Claim(t.Context(), c)
+		res, err := h.claimOf(t.Context(), c, false, "")
 		require.NoError(t, err)
 		assert.False(t, res.Claimed)
 		h.assertInProgress(c, first.c, res.Record)
@@ -382,7 +488,7 @@ func testClaimOutcomes(t *testing.T, h *harness) {
 	require.NoError(t, h.complete(first, created, live))
 	for _, f := range []idemserver.Fingerprint{a, b} {
 		c := h.newClaim(key, f, live)
-		res, err := h.s.Claim(t.Context(), c)
+		res, err := h.claimOf(t.Context(), c, false, "")
 		require.NoError(t, err)
 		assert.False(t, res.Claimed)
 		require.True(t, res.Record.Completed())
@@ -426,13 +532,8 @@ func testConcurrentClaims(t *testing.T, h *harness) {
 	const n = 200
 	key := idemserver.Key{Key: "contended"}
 	f := fp("request")
-	claims := make([]idemserver.Claim, n)
-	results := make([]idemserver.ClaimResult, n)
-	errs := make([]error, n)
-	for i := range claims {
-		claims[i] = h.newClaim(key, f, live)
-	}
-	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
+	claims, results, errs := h.newClaims(key, f, n)
+	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], false, "") })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
@@ -479,13 +580,8 @@ func testConcurrentClaimsOfExpiredRecord(t *testing.T, h *harness) {
 	h.waitClaimed(marker, f)
 
 	const n = 200
-	claims := make([]idemserver.Claim, n)
-	results := make([]idemserver.ClaimResult, n)
-	errs := make([]error, n)
-	for i := range claims {
-		claims[i] = h.newClaim(key, fp("new request"), live)
-	}
-	concurrently(n, func(i int) { results[i], errs[i] = h.s.Claim(t.Context(), claims[i]) })
+	claims, results, errs := h.newClaims(key, fp("new request"), n)
+	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], false, "") })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
@@ -503,6 +599,23 @@ func testExpiry(t *testing.T, h *harness) {
 	l := h.waitClaimed(expiring, fp("a different request"))
 	h.expectInProgress(expiring, l)
 	h.expectReplay(kept, f, created)
+
+	// A record is absent from the instant it expires: a claim stamped at
+	// exactly that instant finds it absent. (A store on a clock of its own
+	// sees a claim made after the record expired on that clock.)
+	atExpiry, marker := idemserver.Key{Key: "at expiry"}, idemserver.Key{Key: "at expiry marker"}
+	expires := time.Now().Add(short)
+	done := h.mustClaim(atExpiry, f, live)
+	require.NoError(t, h.completeOf(context.WithoutCancel(done.ctx), done, created, expires))
+	// The marker expires after the key, whatever the store's clock.
+	require.NoError(t, h.complete(h.mustClaim(marker, f, live), created, short+100*time.Millisecond))
+	h.waitClaimed(marker, f)
+	c := h.newClaim(atExpiry, fp("a different request"), live)
+	c.Now, c.LeaseExpires = expires, expires.Add(live)
+	res, err := h.claimOf(t.Context(), c, false, "")
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "a claim stamped at the record's expiry finds it absent; found %+v", res.Record)
+	h.leaseOf(c, res)
 }
 
 func testLeaseExpiry(t *testing.T, h *harness) {
@@ -515,20 +628,32 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	// A lease that has not ended is never taken over, even with its token:
 	// its holder may have extended it after the caller saw it end.
 	holder := h.mustClaim(idemserver.Key{Key: "live"}, f, live)
-	res, err := h.s.TakeOver(t.Context(), h.newClaim(holder.c.Key, f, live), holder.c.Token)
+	res, err := h.claimOf(t.Context(), h.newClaim(holder.c.Key, f, live), true, holder.c.Token)
 	require.NoError(t, err)
 	assert.False(t, res.Claimed, "TakeOver of a live lease")
 	h.expectInProgress(holder.c.Key, holder)
 
+	// A lease has ended from the instant it ends: a TakeOver stamped at
+	// exactly that instant takes it over.
+	endKey := idemserver.Key{Key: "lease end"}
+	ending := h.mustClaim(endKey, f, short)
+	h.waitLeaseExpired(endKey, ending)
+	atEnd := h.newClaim(endKey, f, live)
+	atEnd.Now, atEnd.LeaseExpires = ending.c.LeaseExpires, ending.c.LeaseExpires.Add(live)
+	res, err = h.claimOf(t.Context(), atEnd, true, ending.c.Token)
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "a TakeOver stamped at the lease's end; found %+v", res.Record)
+	h.expectInProgress(endKey, h.leaseOf(atEnd, res))
+
 	// TakeOver names the expired token: a wrong one takes nothing.
 	c := h.newClaim(key, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, "not-the-token")
+	res, err = h.claimOf(t.Context(), c, true, "not-the-token")
 	require.NoError(t, err)
 	assert.False(t, res.Claimed, "TakeOver with a token the record does not hold")
 	assert.Equal(t, dead.c.Token, res.Record.Token)
 
 	c = h.newClaim(key, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, dead.c.Token)
+	res, err = h.claimOf(t.Context(), c, true, dead.c.Token)
 	require.NoError(t, err)
 	require.True(t, res.Claimed, "TakeOver of an expired lease")
 	taken := h.leaseOf(c, res)
@@ -545,13 +670,13 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	// TakeOver of a key that is absent claims it, as Claim does.
 	absent := idemserver.Key{Key: "absent"}
 	c = h.newClaim(absent, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, "gone")
+	res, err = h.claimOf(t.Context(), c, true, "gone")
 	require.NoError(t, err)
 	assert.True(t, res.Claimed, "TakeOver of an absent key claims it")
 
 	// TakeOver of a completed key reports it.
 	c = h.newClaim(key, f, live)
-	res, err = h.s.TakeOver(t.Context(), c, taken.c.Token)
+	res, err = h.claimOf(t.Context(), c, true, taken.c.Token)
 	require.NoError(t, err)
 	assert.False(t, res.Claimed, "TakeOver of a completed key")
 	require.True(t, res.Record.Completed())
@@ -579,13 +704,8 @@ func testConcurrentTakeOvers(t *testing.T, h *harness) {
 	dead := h.mustClaim(key, f, short)
 	h.waitLeaseExpired(key, dead)
 
-	claims := make([]idemserver.Claim, n)
-	results := make([]idemserver.ClaimResult, n)
-	errs := make([]error, n)
-	for i := range claims {
-		claims[i] = h.newClaim(key, f, live)
-	}
-	concurrently(n, func(i int) { results[i], errs[i] = h.s.TakeOver(t.Context(), claims[i], dead.c.Token) })
+	claims, results, errs := h.newClaims(key, f, n)
+	concurrently(n, func(i int) { results[i], errs[i] = h.claimOf(t.Context(), claims[i], true, dead.c.Token) })
 	winner := h.assertOneWinner(claims, results, errs)
 	if winner < 0 {
 		return
@@ -595,6 +715,48 @@ func testConcurrentTakeOvers(t *testing.T, h *harness) {
 	assert.ErrorIs(t, h.complete(dead, created, live), idemserver.ErrLeaseLost)
 	require.NoError(t, h.complete(l, created, live))
 	h.expectReplay(key, f, created)
+}
+
+func testCompleteRacesTakeOvers(t *testing.T, h *harness) {
+	// The holder of a lease that ended completes it while others take it
+	// over: either the completion or one takeover wins, never both. A store
+	// that checks the token and then writes, in two steps, would let a
+	// takeover in between, and store the old handler's response on the
+	// new claim's record while its handler runs again.
+	const rounds, n = 20, 8
+	f := fp("request")
+	for round := range rounds {
+		key := idemserver.Key{Key: "race/" + strconv.Itoa(round)}
+		dead := h.mustClaim(key, f, short)
+		h.waitLeaseExpired(key, dead)
+		claims, results, errs := h.newClaims(key, f, n)
+		var completeErr error
+		concurrently(n+1, func(i int) {
+			if i == n {
+				completeErr = h.complete(dead, created, live)
+				return
+			}
+			results[i], errs[i] = h.claimOf(t.Context(), claims[i], true, dead.c.Token)
+		})
+		winner, winners := -1, 0
+		for i, res := range results {
+			require.NoError(t, errs[i], "takeover %d", i)
+			if res.Claimed {
+				winner, winners = i, winners+1
+			}
+		}
+		if completeErr != nil {
+			require.ErrorIs(t, completeErr, idemserver.ErrLeaseLost)
+		}
+		require.LessOrEqual(t, winners, 1, "takeovers won")
+		require.True(t, (completeErr == nil) != (winners == 1),
+			"either the completion (err %v) or one takeover (%d won) wins, round %d", completeErr, winners, round)
+		if completeErr == nil {
+			h.expectReplay(key, f, created)
+			continue
+		}
+		h.expectInProgress(key, h.leaseOf(claims[winner], results[winner]))
+	}
 }
 
 func testExtend(t *testing.T, h *harness) {
@@ -673,7 +835,7 @@ func testStaleTokens(t *testing.T, h *harness) {
 			l := h.mustClaim(key, f, short)
 			h.waitLeaseExpired(key, l)
 			c := h.newClaim(key, f, live)
-			res, err := h.s.TakeOver(h.t.Context(), c, l.c.Token)
+			res, err := h.claimOf(h.t.Context(), c, true, l.c.Token)
 			require.NoError(h.t, err)
 			require.True(h.t, res.Claimed)
 			return l, h.leaseOf(c, res)
@@ -746,6 +908,32 @@ func testResponses(t *testing.T, h *harness) {
 			h.expectReplay(key, f, want)
 		})
 	}
+
+	// A middleware may keep bodies larger than its default limit (see
+	// idemserver.WithMaxResponseBytes). A store may refuse one it cannot
+	// hold, but never keep less of it than it was given.
+	t.Run("larger than the default limit", func(t *testing.T) {
+		h := h.sub(t)
+		body := make([]byte, 3*idemserver.DefaultMaxResponseBytes+1)
+		for i := range body {
+			body[i] = byte(i * 13 % 241)
+		}
+		resp := &idemserver.Response{Status: http.StatusOK, Body: body}
+		want := cloneResponse(resp)
+		key := idemserver.Key{Key: "response/larger"}
+		f := fp("larger")
+		l := h.mustClaim(key, f, live)
+		if err := h.complete(l, resp, live); err != nil {
+			// Refused, the claim is left as it was (a transactional
+			// store's, rolled back).
+			t.Logf("the store refused a body of %d bytes: %v", len(body), err)
+			if !h.tx {
+				h.expectInProgress(key, l)
+			}
+			return
+		}
+		h.expectReplay(key, f, want)
+	})
 }
 
 // cloneResponse returns a deep copy of r.
@@ -779,8 +967,28 @@ func testScopes(t *testing.T, h *harness) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := h.sub(t)
-			la := h.mustClaim(tt.a, f, live)
 			lb := h.mustClaim(tt.b, f, live)
+			var la lease
+			if h.tx {
+				la = h.mustClaim(tt.a, f, live)
+			} else {
+				// A lease that ended is taken over in its own scope,
+				// and its token takes nothing in the other.
+				dead := h.mustClaim(tt.a, f, short)
+				h.waitLeaseExpired(tt.a, dead)
+				c := h.newClaim(tt.b, f, live)
+				res, err := h.claimOf(t.Context(), c, true, dead.c.Token)
+				require.NoError(t, err)
+				require.False(t, res.Claimed, "TakeOver of the other scope's key, with this one's expired token")
+				h.assertInProgress(c, lb.c, res.Record)
+				c = h.newClaim(tt.a, f, live)
+				res, err = h.claimOf(t.Context(), c, true, dead.c.Token)
+				require.NoError(t, err)
+				require.True(t, res.Claimed, "TakeOver of an expired lease")
+				la = h.leaseOf(c, res)
+				h.expectInProgress(tt.a, la)
+				h.expectInProgress(tt.b, lb)
+			}
 			ra := &idemserver.Response{Status: http.StatusCreated, Body: []byte("a")}
 			rb := &idemserver.Response{Status: http.StatusCreated, Body: []byte("b")}
 			// A token is no passport into another scope.
@@ -788,6 +996,13 @@ func testScopes(t *testing.T, h *harness) {
 			cross.c.Key = tt.b
 			assert.ErrorIs(t, h.complete(cross, ra, live), idemserver.ErrLeaseLost)
 			assert.ErrorIs(t, h.release(cross), idemserver.ErrLeaseLost)
+			assert.ErrorIs(t, h.extend(cross, live), idemserver.ErrLeaseLost)
+			// Each lease is extended and released in its own scope.
+			require.NoError(t, h.extend(la, live))
+			h.expectInProgress(tt.a, la)
+			require.NoError(t, h.release(lb))
+			h.expectInProgress(tt.a, la)
+			lb = h.mustClaim(tt.b, f, live)
 			require.NoError(t, h.complete(la, ra, live))
 			h.expectInProgress(tt.b, lb)
 			require.NoError(t, h.complete(lb, rb, live))
@@ -804,13 +1019,13 @@ func testCancelledContext(t *testing.T, h *harness) {
 
 	// Claim and TakeOver fail, and claim nothing.
 	key := idemserver.Key{Key: "claim"}
-	_, err := h.s.Claim(ctx, h.newClaim(key, f, live))
+	_, err := h.claimOf(ctx, h.newClaim(key, f, live), false, "")
 	require.Error(t, err, "Claim with a cancelled context")
 	h.expectFree(key)
 	if !h.tx {
 		l := h.mustClaim(key, f, short)
 		h.waitLeaseExpired(key, l)
-		_, err = h.s.TakeOver(ctx, h.newClaim(key, f, live), l.c.Token)
+		_, err = h.claimOf(ctx, h.newClaim(key, f, live), true, l.c.Token)
 		require.Error(t, err, "TakeOver with a cancelled context")
 		// The lease still holds l's token: the failed TakeOver took nothing.
 		rec := h.waitLeaseExpired(key, l)
@@ -826,7 +1041,7 @@ func testCancelledContext(t *testing.T, h *harness) {
 		done func(*harness, idemserver.Key, lease)
 	}{
 		{"Complete", func(l lease) error {
-			return h.s.Complete(ctx, l.c.Key, l.c.Token, created, time.Now().Add(live))
+			return h.completeOf(ctx, l, created, time.Now().Add(live))
 		}, func(h *harness, key idemserver.Key, _ lease) { h.expectReplay(key, f, created) }},
 		{"Release", func(l lease) error {
 			return h.s.Release(ctx, l.c.Key, l.c.Token)

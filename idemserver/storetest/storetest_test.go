@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -68,6 +69,29 @@ func (b *broken) Extend(ctx context.Context, k idemserver.Key, token string, exp
 	return b.MemoryStore.Extend(ctx, k, token, exp)
 }
 
+// brokenPacked is a broken store that is also an [idemserver.PackedStore],
+// whose packed methods are the MemoryStore's unless one breaks them, so
+// that the middleware and the suite call them.
+type brokenPacked struct {
+	*broken
+	claimPacked    func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error)
+	completePacked func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedCompletion) error
+}
+
+func (b *brokenPacked) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+	if b.claimPacked != nil {
+		return b.claimPacked(b.MemoryStore, ctx, c)
+	}
+	return b.MemoryStore.ClaimPacked(ctx, c)
+}
+
+func (b *brokenPacked) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
+	if b.completePacked != nil {
+		return b.completePacked(b.MemoryStore, ctx, c)
+	}
+	return b.MemoryStore.CompletePacked(ctx, c)
+}
+
 // peek returns the record of k without changing it, if there is one.
 func peek(ctx context.Context, s *idemserver.MemoryStore, k idemserver.Key) (idemserver.Record, bool) {
 	now := time.Now()
@@ -87,7 +111,9 @@ func peek(ctx context.Context, s *idemserver.MemoryStore, k idemserver.Key) (ide
 // the suite that must catch it.
 var brokenStores = map[string]struct {
 	store func(b *broken)
-	fails []string
+	// packed, when set, makes the store a PackedStore and breaks that.
+	packed func(b *brokenPacked)
+	fails  []string
 }{
 	"claims in-progress keys": {
 		store: func(b *broken) {
@@ -131,6 +157,54 @@ var brokenStores = map[string]struct {
 			}
 		},
 		fails: []string{"Run/Responses/1_MiB_body", "HTTP/LargeResponse"},
+	},
+	"truncates bodies past the default response limit": {
+		// As a store whose column or value has a size limit it does not
+		// check.
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				r := *resp
+				r.Body = r.Body[:min(len(r.Body), idemserver.DefaultMaxResponseBytes)]
+				return s.Complete(ctx, k, token, &r, exp)
+			}
+		},
+		fails: []string{"Run/Responses/larger_than_the_default_limit"},
+	},
+	"keeps a record at its expiry": {
+		// As a store that compares the expiry with < where <= belongs.
+		store: func(b *broken) {
+			b.claim = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+				c.Now = c.Now.Add(-time.Nanosecond)
+				return s.Claim(ctx, c)
+			}
+		},
+		fails: []string{"Run/Expiry"},
+	},
+	"keeps a lease at its end": {
+		store: func(b *broken) {
+			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				c.Now = c.Now.Add(-time.Nanosecond)
+				return s.TakeOver(ctx, c, token)
+			}
+		},
+		fails: []string{"Run/LeaseExpiry"},
+	},
+	"checks the token, then completes": {
+		// As a store that reads the record, checks the token, and then
+		// writes the response by key, in two steps.
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				if rec, ok := peek(ctx, s, k); !ok || rec.Completed() || rec.Token != token {
+					return idemserver.ErrLeaseLost
+				}
+				time.Sleep(time.Millisecond)
+				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() {
+					token = rec.Token
+				}
+				return s.Complete(ctx, k, token, resp, exp)
+			}
+		},
+		fails: []string{"Run/CompleteRacesTakeOvers"},
 	},
 	"drops repeated header values": {
 		store: func(b *broken) {
@@ -198,6 +272,31 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/Scopes/trailing_space_in_the_key", "Run/Scopes/trailing_space_in_the_scope"},
 	},
+	"drops the scope in Extend": {
+		store: func(b *broken) {
+			b.extend = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, exp time.Time) error {
+				return s.Extend(ctx, idemserver.Key{Key: k.Key}, token, exp)
+			}
+		},
+		fails: []string{"Run/Scopes/same_key,_two_scopes"},
+	},
+	"drops the scope in Release": {
+		store: func(b *broken) {
+			b.release = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string) error {
+				return s.Release(ctx, idemserver.Key{Key: k.Key}, token)
+			}
+		},
+		fails: []string{"Run/Scopes/same_key,_two_scopes"},
+	},
+	"drops the scope in TakeOver": {
+		store: func(b *broken) {
+			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, token string) (idemserver.ClaimResult, error) {
+				c.Key = idemserver.Key{Key: c.Key.Key}
+				return s.TakeOver(ctx, c, token)
+			}
+		},
+		fails: []string{"Run/Scopes/same_key,_two_scopes"},
+	},
 	"keeps a record only until its lease ends": {
 		// As a store that sets the record's time to live when it claims
 		// and forgets to move it on when it completes.
@@ -252,6 +351,69 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/CancelledContext"},
 	},
+	"accepts stale tokens when packed": {
+		packed: func(b *brokenPacked) {
+			b.completePacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedCompletion) error {
+				if rec, ok := peek(ctx, s, c.Key); ok && !rec.Completed() {
+					c.Token = rec.Token
+				}
+				return s.CompletePacked(ctx, c)
+			}
+		},
+		fails: []string{"Run/Packed/StaleTokens/wrong_token/Complete", "Run/Packed/LeaseExpiry"},
+	},
+	"trusts a completion's Ref": {
+		// As a store that finds the record by the claim's reference and
+		// checks neither its key nor its token.
+		packed: func(b *brokenPacked) {
+			var mu sync.Mutex
+			refs := make(map[uint64]idemserver.Key)
+			b.claimPacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+				res, err := s.ClaimPacked(ctx, c)
+				if err == nil && res.Claimed {
+					mu.Lock()
+					refs[res.Ref] = c.Key
+					mu.Unlock()
+				}
+				return res, err
+			}
+			b.completePacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedCompletion) error {
+				mu.Lock()
+				key, ok := refs[c.Ref]
+				mu.Unlock()
+				if ok {
+					if rec, found := peek(ctx, s, key); found && !rec.Completed() {
+						c.Key, c.Token = key, rec.Token
+					}
+				}
+				return s.CompletePacked(ctx, c)
+			}
+		},
+		fails: []string{"Run/Packed/StaleTokens/wrong_token/Complete", "Run/Packed/Lifecycle"},
+	},
+	"replays packed responses without their fields": {
+		packed: func(b *brokenPacked) {
+			b.claimPacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+				res, err := s.ClaimPacked(ctx, c)
+				if err == nil && !res.Response.IsZero() {
+					r := res.Response.Response()
+					r.Header = nil
+					res.Response = idemserver.PackResponse(r)
+				}
+				return res, err
+			}
+		},
+		fails: []string{"Run/Packed/Responses/multi-valued_fields", "Run/Packed/ClaimOutcomes"},
+	},
+	"ignores NewToken": {
+		packed: func(b *brokenPacked) {
+			b.claimPacked = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+				c.NewToken = nil
+				return s.ClaimPacked(ctx, c)
+			}
+		},
+		fails: []string{"Run/Packed/ClaimOutcomes"},
+	},
 	"takes over any lease": {
 		store: func(b *broken) {
 			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, _ string) (idemserver.ClaimResult, error) {
@@ -277,8 +439,13 @@ func TestBrokenStore(t *testing.T) {
 	}
 	newStore := func(t *testing.T) idemserver.Store {
 		b := &broken{MemoryStore: idemserver.NewMemoryStore()}
-		brokenStores[name].store(b)
 		t.Cleanup(func() { _ = b.MemoryStore.Close() })
+		if tt := brokenStores[name]; tt.packed != nil {
+			p := &brokenPacked{broken: b}
+			tt.packed(p)
+			return p
+		}
+		brokenStores[name].store(b)
 		return b
 	}
 	t.Run("Run", func(t *testing.T) { storetest.Run(t, newStore) })
