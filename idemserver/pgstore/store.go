@@ -75,8 +75,8 @@
 // (read, BEGIN, claim, ROLLBACK). Each claimed request holds a pool
 // connection while its handler runs, so size the pool for the requests in
 // flight: a claim that waits longer than [WithPoolWait]'s bound for a free
-// connection is answered 503. The bound costs no allocation when a
-// connection is free.
+// connection is answered 503.
+//
 // Set PostgreSQL's idle_in_transaction_session_timeout (it is off by
 // default) to bound a transaction whose process hung. A statement of the
 // handler's that fails aborts the whole transaction, so that Complete
