@@ -298,8 +298,21 @@ const noTime = math.MinInt64
 // of returns what the store keeps for t.
 func (m memTimes) of(t time.Time) int64 { return int64(t.Sub(m.base)) }
 
-// time returns the time that n stands for.
-func (m memTimes) time(n int64) time.Time { return m.base.Add(time.Duration(n)) }
+// timeAt returns the time that n stands for, on the clocks of now, which
+// the store keeps as at: now plus the time from at to n. Read on the wall
+// clock, it is then when n comes by the wall clock as it reads now, even
+// if that clock was stepped since base; with a monotonic reading it is the
+// same instant as base plus n.
+func (memTimes) timeAt(n int64, now time.Time, at int64) time.Time {
+	d := n - at
+	switch { // saturated, as Sub is
+	case n > at && d < 0:
+		d = math.MaxInt64
+	case n < at && d > 0:
+		d = math.MinInt64
+	}
+	return now.Add(time.Duration(d))
+}
 
 // packedKeyLen returns the length of k as writePackedKey writes it.
 func packedKeyLen(k Key) int {

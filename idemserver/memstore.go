@@ -241,7 +241,7 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 			if !e.completed {
 				return res, nil
 			}
-			res.Record.Expires = s.times.time(e.expires)
+			res.Record.Expires = s.times.timeAt(e.expires, c.Now, now)
 			if decode {
 				res.Record.Response = unpack(e.response()).response()
 			} else {

@@ -666,6 +666,12 @@ func TestMemoryStoreExpiryIgnoresWallClockSteps(t *testing.T) {
 			require.NotNil(t, res.Record.Response)
 			assert.Equal(t, http.StatusCreated, res.Record.Response.Status)
 			assert.Zero(t, res.Record.Expires.Sub(start.Add(ttl)), "the record's expiry, as reported")
+			// Read on the wall clock too (as by a caller that strips the
+			// monotonic reading, or keeps the time elsewhere), a live
+			// record expires the rest of its TTL after the claim that
+			// found it, not at a time the stepped clock has passed.
+			assert.Zero(t, res.Record.Expires.Round(0).Sub(later.Round(0).Add(ttl-tc.elapsed)),
+				"the record's expiry, by the wall clock: %v, found at %v", res.Record.Expires.Round(0), later.Round(0))
 		})
 	}
 }

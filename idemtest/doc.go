@@ -40,10 +40,14 @@
 // left its status to the implicit 200 runs again on the retry, and the
 // ledger shows it as a duplicate. With a store that holds responses
 // (idemserver.ResponseHolder, such as a transactional store), a run whose
-// work the store discarded, and which the middleware then ran again in the
-// same request (idemserver.ErrRetryRequest), is not counted; a run that was
-// rolled back and answered 503 still is, as the ledger cannot see the
-// rollback, so its retry shows as a duplicate.
+// work the store discarded is not counted: one the store rolled back
+// (idemserver.ErrRolledBack) or asked to run again
+// (idemserver.ErrRetryRequest), whether the middleware then ran the
+// request again or answered 503. The Server learns of those from the
+// store's Complete, through a wrapper that passes every call on. A run
+// whose commit's outcome the store could not learn
+// (idemserver.ErrOutcomeUnknown) is counted: if it was not kept, its
+// retry shows as a duplicate.
 //
 // The ledger also keeps the answers of those executions, and the fault
 // injector, in front of the middleware, checks every response marked

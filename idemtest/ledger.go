@@ -24,9 +24,10 @@ type ledger struct {
 	next   http.Handler
 	header string
 	// hold is set when the store holds responses (idemserver.ResponseHolder):
-	// the middleware then runs a request again when the store discarded
-	// everything its run did (idemserver.ErrRetryRequest), and only the
-	// last run of a request counts.
+	// such a store may discard everything a run did, when it rolls back
+	// (idemserver.ErrRolledBack) or asks for the request to run again
+	// (idemserver.ErrRetryRequest), and a discarded run does not count
+	// (see discardWatcher).
 	hold bool
 
 	mu   sync.Mutex
@@ -100,11 +101,6 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		note, _ = r.Context().Value(requestRunsKey{}).(*requestRuns)
 	}
 	l.mu.Lock()
-	if note != nil && note.counted {
-		// The middleware runs the request again: the store discarded all
-		// that the last run did, which is no execution.
-		l.uncount(note)
-	}
 	l.running[name]++
 	l.seen[k.Key] = true
 	l.mu.Unlock()
@@ -139,6 +135,20 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}()
 	l.next.ServeHTTP(sw, r)
 	returned = true
+}
+
+// discarded takes back the counted run of the request whose context is
+// ctx: the store discarded all that it did, which is no execution.
+func (l *ledger) discarded(ctx context.Context) {
+	note, _ := ctx.Value(requestRunsKey{}).(*requestRuns)
+	if note == nil {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if note.counted {
+		l.uncount(note)
+	}
 }
 
 // uncount takes back the run note counted. l.mu must be held.

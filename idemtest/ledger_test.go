@@ -350,18 +350,66 @@ func TestLedgerScopes(t *testing.T) {
 type discardingStore struct {
 	idemserver.Store
 	discards atomic.Int32 // how many more Completes to discard
+	// cause is what a discarded Complete reports, wrapped; nil means
+	// idemserver.ErrRetryRequest.
+	cause error
 }
 
 func (s *discardingStore) HoldResponses() bool { return true }
 
 func (s *discardingStore) Complete(ctx context.Context, key idemserver.Key, token string, r *idemserver.Response, expires time.Time) error {
-	if s.discards.Add(-1) >= 0 {
-		if err := s.Store.Release(ctx, key, token); err != nil {
-			return err
-		}
-		return fmt.Errorf("serialization failure: %w", idemserver.ErrRetryRequest)
+	if err := s.discard(ctx, key, token); err != nil {
+		return err
 	}
 	return s.Store.Complete(ctx, key, token, r, expires)
+}
+
+// discard releases the claim and reports why, while Completes are to be
+// discarded, and returns nil after.
+func (s *discardingStore) discard(ctx context.Context, key idemserver.Key, token string) error {
+	if s.discards.Add(-1) < 0 {
+		return nil
+	}
+	if err := s.Store.Release(ctx, key, token); err != nil {
+		return err
+	}
+	cause := s.cause
+	if cause == nil {
+		cause = idemserver.ErrRetryRequest
+	}
+	return fmt.Errorf("serialization failure: %w", cause)
+}
+
+// discardingPackedStore is a discardingStore over a memory store that the
+// middleware reaches through its packed methods.
+type discardingPackedStore struct {
+	*discardingStore
+	packed *idemserver.MemoryStore
+}
+
+func (s discardingPackedStore) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
+	return s.packed.ClaimPacked(ctx, c)
+}
+
+func (s discardingPackedStore) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
+	if err := s.discard(ctx, c.Key, c.Token); err != nil {
+		return err
+	}
+	return s.packed.CompletePacked(ctx, c)
+}
+
+// countingServer returns a Server over store whose handler answers 201 and
+// counts its runs in calls, and a client of it; both close when the test
+// ends.
+func countingServer(t *testing.T, store idemserver.Store, calls *atomic.Int32) (*Server, *http.Client) {
+	srv := NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		created(w, r)
+	}), WithStore(store))
+	t.Cleanup(srv.Close)
+	client := rawClient()
+	t.Cleanup(client.CloseIdleConnections)
+	return srv, client
 }
 
 // TestLedgerDiscardedRunIsNoExecution checks that a run whose work a store
@@ -383,13 +431,7 @@ func TestLedgerDiscardedRunIsNoExecution(t *testing.T) {
 			store := &discardingStore{Store: memoryStore(t, tt.store)}
 			store.discards.Store(tt.discards)
 			var calls atomic.Int32
-			srv := NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				calls.Add(1)
-				created(w, r)
-			}), WithStore(store))
-			defer srv.Close()
-			client := rawClient()
-			defer client.CloseIdleConnections()
+			srv, client := countingServer(t, store, &calls)
 
 			assert.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "k"))
 			second := post(t.Context(), client, srv.URL, "k")
@@ -400,5 +442,46 @@ func TestLedgerDiscardedRunIsNoExecution(t *testing.T) {
 			assert.Equal(t, tt.runs == 1, srv.AssertExactlyOnce(rec, 1), "%v", rec.errors)
 			assert.Empty(t, srv.WrongReplays())
 		})
+	}
+}
+
+// TestLedgerRolledBackRunIsNoExecution checks that a run whose work a store
+// that holds responses discarded is not counted when the middleware does
+// not run it again, but answers 503: the store rolled it back, or asked
+// for more reruns than the middleware makes. The client's retry runs the
+// handler once more, which is the key's one execution, not a duplicate.
+func TestLedgerRolledBackRunIsNoExecution(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		discards int32
+		cause    error
+	}{
+		{"rolled back", 1, idemserver.ErrRolledBack},
+		{"every rerun discarded", idemserver.MaxReruns + 1, idemserver.ErrRetryRequest},
+	} {
+		for _, packed := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/packed=%v", tt.name, packed), func(t *testing.T) {
+				mem := idemserver.NewMemoryStore()
+				t.Cleanup(func() { _ = mem.Close() })
+				discarding := &discardingStore{Store: mem, cause: tt.cause}
+				discarding.discards.Store(tt.discards)
+				var store idemserver.Store = discarding
+				if packed {
+					store = discardingPackedStore{discarding, mem}
+				}
+				var calls atomic.Int32
+				srv, client := countingServer(t, store, &calls)
+
+				first := post(t.Context(), client, srv.URL, "k")
+				assert.Equal(t, http.StatusServiceUnavailable, first.status, "the store kept nothing of the first request")
+				assert.Empty(t, srv.Executions(), "a run the store discarded")
+				assert.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "k"))
+				assert.Equal(t, outcome{status: http.StatusCreated, replayed: true}, post(t.Context(), client, srv.URL, "k"))
+				assert.Equal(t, tt.discards+1, calls.Load(), "the handler's runs")
+				assert.Equal(t, map[string]int{"k": 1}, srv.Executions())
+				rec := &recordingTB{TB: t}
+				assert.True(t, srv.AssertExactlyOnce(rec, 1), "%v", rec.errors)
+			})
+		}
 	}
 }

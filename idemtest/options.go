@@ -16,7 +16,11 @@ type config struct {
 
 // WithStore sets the store of the server's middleware. By default the server
 // makes an [idemserver.MemoryStore] of its own, which Close closes; a store
-// given here is the caller's to close.
+// given here is the caller's to close. A store that holds responses
+// (idemserver.ResponseHolder) reaches the middleware through a wrapper
+// that passes every call on, its idemserver.PackedStore methods too, and
+// tells the ledger of the runs whose work the store discarded (see the
+// package documentation).
 func WithStore(s idemserver.Store) Option {
 	return func(c *config) { c.store = s }
 }
