@@ -270,3 +270,81 @@ func TestFollowedRedirectEndedOrNotFollowed(t *testing.T) {
 		assert.Len(t, pendingKeys(t, store), 1)
 	})
 }
+
+// A request built from a response's Request still points at the redirect
+// that response followed, but it is not a follow-up of that redirect: it
+// must neither take on the first operation's key, and release it (which
+// would let the next call of that operation charge again with a new key),
+// nor leave its own operation without a pending key.
+func TestRequestBuiltFromFollowedResponseIsNotAFollowUp(t *testing.T) {
+	tests := []struct {
+		name      string
+		method    string
+		operation string // of the request built, or ""
+	}{
+		{"DELETE without operation", http.MethodDelete, ""},
+		{"POST of another operation", http.MethodPost, "refund-1"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var executions, pages atomic.Int32
+			charge := idemserver.Middleware(idemserver.NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				executions.Add(1)
+				http.Redirect(w, r, "/charges/1", http.StatusSeeOther)
+			}))
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.Copy(io.Discard, r.Body)
+				switch {
+				case r.URL.Path == "/charges":
+					charge.ServeHTTP(w, r)
+				case r.Method == http.MethodGet && pages.Add(1) == 1:
+					w.WriteHeader(http.StatusServiceUnavailable) // the charge's page is down
+				case r.Method == http.MethodGet:
+					io.WriteString(w, "charge 1: paid")
+				case r.Method == http.MethodDelete:
+					w.WriteHeader(http.StatusNoContent)
+				default: // the refund fails
+					w.WriteHeader(http.StatusServiceUnavailable)
+				}
+			}))
+			t.Cleanup(srv.Close)
+			store := NewMemoryKeyStore()
+			client := &http.Client{Transport: NewTransport(newBaseTransport(t), WithKeyStore(store), WithMaxAttempts(1))}
+			ctx := WithOperation(context.Background(), "charge-1")
+
+			resp, err := client.Do(post(t, ctx, srv.URL+"/charges", "charge"))
+			require.NoError(t, err)
+			_, _ = io.ReadAll(resp.Body)
+			resp.Body.Close()
+			require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+			pending := pendingKeys(t, store)
+			require.Contains(t, pending, "charge-1")
+
+			other := context.Background()
+			if tt.operation != "" {
+				other = WithOperation(other, tt.operation)
+			}
+			built := resp.Request.Clone(other)
+			built.Method = tt.method
+			built.Body, built.GetBody, built.ContentLength = http.NoBody, nil, 0
+			resp, err = client.Do(built)
+			require.NoError(t, err)
+			_, _ = io.ReadAll(resp.Body)
+			resp.Body.Close()
+			after := pendingKeys(t, store)
+			assert.Equal(t, pending["charge-1"], after["charge-1"], "the charge's key is still pending")
+			if tt.operation != "" {
+				assert.Contains(t, after, tt.operation, "the failed request's key is pending under its own id")
+			}
+
+			// The charge, called again, is replayed, not run again.
+			resp, err = client.Do(post(t, ctx, srv.URL+"/charges", "charge"))
+			require.NoError(t, err)
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Equal(t, "charge 1: paid", string(body))
+			assert.Equal(t, int32(1), executions.Load(), "charged once")
+		})
+	}
+}

@@ -370,12 +370,23 @@ func (c *call) linkRedirect(resp *http.Response) {
 // followLink takes on the pending operation of the redirect this request
 // follows, if it has one (see linkRedirect), so that its key is released
 // only once this request's outcome is final and has reached the caller.
+// http.Client sends the request that follows a redirect with the context
+// of the one redirected, operation included; a request with another
+// context (or none) that points at the redirect is one a caller built from
+// a response's Request, which follows nothing.
 func (c *call) followLink() {
-	if prev := c.req.Response.Request; prev != nil {
-		if l, ok := prev.Context().Value(redirectLinkKey{}).(redirectLink); ok {
-			c.operation, c.opKey, c.pending = l.operation, l.key, true
-		}
+	prev := c.req.Response.Request
+	if prev == nil {
+		return
 	}
+	l, ok := prev.Context().Value(redirectLinkKey{}).(redirectLink)
+	if !ok {
+		return
+	}
+	if op, ok := OperationFrom(c.ctx); !ok || op != l.operation {
+		return
+	}
+	c.operation, c.opKey, c.pending = l.operation, l.key, true
 }
 
 // bodyAllowed reports whether a response with status code to a request
