@@ -348,3 +348,115 @@ func TestRequestBuiltFromFollowedResponseIsNotAFollowUp(t *testing.T) {
 		})
 	}
 }
+
+// A redirect may lead to a host that a different Transport serves, when the
+// client's RoundTripper routes hosts to Transports of their own, each with
+// its own KeyStore. The operation's key lives in the KeyStore of the
+// Transport that sent the redirected request, and that is where the
+// request that follows must release it once the final outcome has reached
+// the caller, and where it must stay pending until then.
+func TestFollowedRedirectThroughAnotherTransport(t *testing.T) {
+	tests := []struct {
+		name string
+		code int
+	}{
+		{"303", http.StatusSeeOther},
+		{"302", http.StatusFound},
+		{"307", http.StatusTemporaryRedirect},
+		{"308", http.StatusPermanentRedirect},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			apiStore, pageStore := NewMemoryKeyStore(), NewMemoryKeyStore()
+			var pendingDuringPage atomic.Pointer[map[string]string]
+			var pageKeys recorder[string]
+			page := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				pageKeys.add(r.Header.Get("Idempotency-Key"))
+				p := pendingKeys(t, apiStore)
+				pendingDuringPage.Store(&p)
+				io.WriteString(w, "charge 1: paid")
+			}))
+			t.Cleanup(page.Close)
+			var apiKeys recorder[string]
+			api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				apiKeys.add(r.Header.Get("Idempotency-Key"))
+				_, _ = io.Copy(io.Discard, r.Body)
+				http.Redirect(w, r, page.URL+"/charges/1", tt.code)
+			}))
+			t.Cleanup(api.Close)
+			apiTransport := NewTransport(newBaseTransport(t), WithKeyStore(apiStore))
+			pageTransport := NewTransport(newBaseTransport(t), WithKeyStore(pageStore))
+			apiHost := strings.TrimPrefix(api.URL, "http://")
+			client := &http.Client{Transport: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				if r.URL.Host == apiHost {
+					return apiTransport.RoundTrip(r)
+				}
+				return pageTransport.RoundTrip(r)
+			})}
+
+			resp, err := client.Do(post(t, WithOperation(context.Background(), "order-12"), api.URL, "charge"))
+			require.NoError(t, err)
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			sent := apiKeys.all()
+			require.Len(t, sent, 1)
+			assert.Equal(t, map[string]string{"order-12": sent[0]}, *pendingDuringPage.Load(),
+				"pending in the redirected request's KeyStore while the redirect is followed")
+			if tt.code == http.StatusTemporaryRedirect || tt.code == http.StatusPermanentRedirect {
+				assert.Equal(t, sent, pageKeys.all(), "the resent request carries the operation's key")
+			}
+			assert.Equal(t, map[string]string{"order-12": sent[0]}, pendingKeys(t, apiStore),
+				"pending until the final response is read")
+			_, err = io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Empty(t, pendingKeys(t, apiStore), "released with the final outcome, where it was pending")
+			assert.Empty(t, pendingKeys(t, pageStore), "nothing left in the other Transport's KeyStore")
+		})
+	}
+}
+
+// When GET is among the keyed methods, the GET that follows a 301, 302 or
+// 303 is a request of its own and carries a key of its own: sending it the
+// operation's key would present one key with two different requests, which
+// an idempotent server refuses (422) instead of answering the GET. The
+// operation's key stays pending until the GET's outcome reaches the caller.
+func TestKeyedGetFollowingRedirectHasItsOwnKey(t *testing.T) {
+	var executions atomic.Int32
+	var keys recorder[string]
+	var pendingDuringGet atomic.Pointer[map[string]string]
+	store := NewMemoryKeyStore()
+	mw := idemserver.Middleware(idemserver.NewMemoryStore(), idemserver.WithMethods(http.MethodPost, http.MethodGet))
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		keys.add(r.Header.Get("Idempotency-Key"))
+		mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodPost {
+				executions.Add(1)
+				http.Redirect(w, r, "/charges/1", http.StatusSeeOther)
+				return
+			}
+			p := pendingKeys(t, store)
+			pendingDuringGet.Store(&p)
+			io.WriteString(w, "charge 1: paid")
+		})).ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	client := &http.Client{Transport: NewTransport(newBaseTransport(t),
+		WithKeyStore(store), WithKeyedMethods(http.MethodPost, http.MethodGet))}
+
+	resp, err := client.Do(post(t, WithOperation(context.Background(), "order-13"), srv.URL, "charge"))
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Body.Close()
+
+	assert.Equal(t, http.StatusOK, resp.StatusCode, "%s", body)
+	assert.Equal(t, "charge 1: paid", string(body))
+	sent := keys.all()
+	require.Len(t, sent, 2)
+	assert.NotEmpty(t, sent[1], "the GET is keyed")
+	assert.NotEqual(t, sent[0], sent[1], "the GET has a key of its own")
+	assert.Equal(t, map[string]string{"order-13": sent[0]}, *pendingDuringGet.Load(),
+		"the operation's key is pending while the GET runs")
+	assert.Empty(t, pendingKeys(t, store), "released with the GET's outcome")
+	assert.Equal(t, int32(1), executions.Load())
+}
