@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -459,4 +460,66 @@ func TestKeyedGetFollowingRedirectHasItsOwnKey(t *testing.T) {
 		"the operation's key is pending while the GET runs")
 	assert.Empty(t, pendingKeys(t, store), "released with the GET's outcome")
 	assert.Equal(t, int32(1), executions.Load())
+}
+
+// Operations redirected at the same time through one client each keep
+// their own key: the GET that follows each 303 releases its own
+// operation's key, after a retry of a 503 if need be, and leaves pending
+// the key of an operation whose GET kept failing, and no other.
+func TestConcurrentRedirectedOperationsKeepTheirOwnKeys(t *testing.T) {
+	const operations = 8
+	var sent sync.Map // operation -> key its POST carried
+	var gets sync.Map // operation -> *atomic.Int32, GETs of its page
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		op := strings.TrimPrefix(r.URL.Path, "/charges/")
+		if r.Method == http.MethodPost {
+			sent.Store(op, r.Header.Get("Idempotency-Key"))
+			http.Redirect(w, r, "/charges/"+op+"/page", http.StatusSeeOther)
+			return
+		}
+		op = strings.TrimSuffix(op, "/page")
+		n, _ := gets.LoadOrStore(op, new(atomic.Int32))
+		i := 0
+		fmt.Sscanf(op, "op-%d", &i)
+		// Odd operations' pages stay down; even ones fail once.
+		if n.(*atomic.Int32).Add(1) == 1 || i%2 == 1 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		io.WriteString(w, "paid "+op)
+	}))
+	t.Cleanup(srv.Close)
+	store := NewMemoryKeyStore()
+	client := &http.Client{Transport: NewTransport(newBaseTransport(t), WithKeyStore(store),
+		WithBackoff(noWait), WithMaxAttempts(2), WithBudget(nil), WithoutBreaker())}
+
+	var wg sync.WaitGroup
+	for i := range operations {
+		wg.Go(func() {
+			op := fmt.Sprintf("op-%d", i)
+			resp, err := client.Do(post(t, WithOperation(context.Background(), op), srv.URL+"/charges/"+op, "charge"))
+			if !assert.NoError(t, err) {
+				return
+			}
+			body, err := io.ReadAll(resp.Body)
+			assert.NoError(t, err)
+			resp.Body.Close()
+			if i%2 == 0 {
+				assert.Equal(t, "paid "+op, string(body))
+			} else {
+				assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+			}
+		})
+	}
+	wg.Wait()
+
+	want := map[string]string{}
+	for i := 1; i < operations; i += 2 {
+		op := fmt.Sprintf("op-%d", i)
+		key, ok := sent.Load(op)
+		require.True(t, ok)
+		want[op] = key.(string)
+	}
+	assert.Equal(t, want, pendingKeys(t, store))
 }
