@@ -523,3 +523,49 @@ func TestConcurrentRedirectedOperationsKeepTheirOwnKeys(t *testing.T) {
 	}
 	assert.Equal(t, want, pendingKeys(t, store))
 }
+
+// A chain of redirects that http.Client gives up on ends in an error, not
+// in the outcome of the operation: its key stays pending, and the next call
+// sends it again.
+func TestFollowedRedirectChainThatFailsKeepsThePendingKey(t *testing.T) {
+	tests := []struct {
+		name     string
+		page     http.HandlerFunc // answers the GET that follows the 303
+		location string           // of the 303
+	}{
+		{"too many redirects", func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, r.URL.Path, http.StatusFound)
+		}, "/charges/1"},
+		{"a Location that does not parse", nil, "http://[::1"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var keys recorder[string]
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Method == http.MethodPost {
+					keys.add(r.Header.Get("Idempotency-Key"))
+					w.Header().Set("Location", tt.location)
+					w.WriteHeader(http.StatusSeeOther)
+					return
+				}
+				tt.page(w, r)
+			}))
+			t.Cleanup(srv.Close)
+			store := NewMemoryKeyStore()
+			client := &http.Client{Transport: NewTransport(newBaseTransport(t), WithKeyStore(store))}
+			ctx := WithOperation(context.Background(), "order-14")
+
+			for range 2 {
+				resp, err := client.Do(post(t, ctx, srv.URL, "charge"))
+				require.Error(t, err)
+				if resp != nil {
+					resp.Body.Close()
+				}
+			}
+			sent := keys.all()
+			require.Len(t, sent, 2)
+			assert.Equal(t, sent[0], sent[1], "the second call sends the first call's key")
+			assert.Equal(t, map[string]string{"order-14": sent[0]}, pendingKeys(t, store))
+		})
+	}
+}
