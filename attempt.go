@@ -56,10 +56,10 @@ const (
 	ReasonRetryAfter Reason = "retry-after"
 
 	// ReasonSuccess: a 2xx or 3xx response, returned to the caller. The
-	// outcome is final except for a redirect that http.Client follows: a
-	// 307 or 308 asks for the request to be sent to another URL, with the
-	// same key, and a 301, 302 or 303 with a Location is followed by a GET,
-	// whose outcome the caller gets instead.
+	// outcome is final except for a redirect that http.Client would follow,
+	// whether or not it does: a 307 or 308 asks for the request to be sent
+	// to another URL, with the same key, and a 301, 302 or 303 with a
+	// Location is followed by a GET, whose outcome the caller gets instead.
 	ReasonSuccess Reason = "success"
 	// ReasonNotRetryable: the status or error is not one that is retried,
 	// or the request is not safe to send again.

@@ -41,12 +41,14 @@ func retryableStatus(code int, header http.Header) bool {
 }
 
 // finalStatus reports whether a response ends an operation for good, so its
-// idempotency key can be forgotten: a success, a redirect that is not
-// followed, or a client error that sending again would not change. A 307 or
-// 308 asks for the same request to be sent elsewhere, where it has yet to
-// run. A 301, 302 or 303 with a Location is the server's outcome, but
-// [http.Client] follows it with a GET, and the caller gets that GET's
+// idempotency key can be forgotten: a success, a 3xx that [http.Client]
+// would not follow, or a client error that sending again would not change.
+// A 307 or 308 asks for the same request to be sent elsewhere, where it has
+// yet to run. A 301, 302 or 303 with a Location is the server's outcome,
+// but http.Client follows it with a GET, and the caller gets that GET's
 // outcome instead: until then the caller knows nothing of the operation's.
+// Neither is final even when the caller stops http.Client from following
+// it, which the Transport cannot tell.
 func finalStatus(code int, header http.Header) bool {
 	switch {
 	case followedRedirect(code, header):

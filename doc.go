@@ -36,10 +36,13 @@
 // Idempotency-Key header unless the caller already set one. Without an
 // operation in the context the key is a fresh UUIDv7 shared by the attempts
 // of one RoundTrip. With [WithOperation] the key comes from the configured
-// [KeyStore] and stays pending until the outcome is final (a 2xx, a 3xx that
-// is not followed, or a 4xx that is not retryable) and has reached the
-// caller, so a later call for the same operation, in this
-// process or the next, sends the same key.
+// [KeyStore] and stays pending until the outcome is final (a 2xx, a 3xx
+// that is not a redirect [http.Client] would follow, or a 4xx that is not
+// retryable) and has reached the caller, so a later call for the same
+// operation, in this process or the next, sends the same key. Through a
+// redirect that http.Client follows, it stays pending until the outcome of
+// the request that follows reaches the caller; a redirect returned
+// unfollowed leaves it pending (see [Transport]).
 //
 // The default [MemoryKeyStore] forgets everything when the process exits. A
 // [FileKeyStore], from [OpenFileKeyStore], keeps pending keys in a file that

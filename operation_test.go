@@ -30,6 +30,10 @@ func TestOperationKeyLifecycle(t *testing.T) {
 		{"303 stays pending", []func(http.ResponseWriter, *http.Request){status(303, "Location", "/done")}, true},
 		{"307 stays pending", []func(http.ResponseWriter, *http.Request){status(307, "Location", "/elsewhere")}, true},
 		{"308 stays pending", []func(http.ResponseWriter, *http.Request){status(308, "Location", "/elsewhere")}, true},
+		// Asks for the request to be sent elsewhere, but says not where.
+		{"307 without a Location stays pending", []func(http.ResponseWriter, *http.Request){status(307)}, true},
+		// http.Client follows none of these.
+		{"300 with a Location releases", []func(http.ResponseWriter, *http.Request){status(300, "Location", "/choice")}, false},
 		{"retried then 2xx releases", []func(http.ResponseWriter, *http.Request){status(503), status(200)}, false},
 		{"non-retryable 4xx releases", []func(http.ResponseWriter, *http.Request){status(422)}, false},
 		{"plain 409 releases", []func(http.ResponseWriter, *http.Request){status(409)}, false},

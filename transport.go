@@ -60,11 +60,9 @@ import (
 // no key the Transport added, and points its Response field at the 307 or
 // 308; the Transport takes the key from that response's Request, the
 // attempt that was sent (set by the Transport when the base transport
-// leaves it nil). (The redirected request keeps the caller's
-// context, so an operation's pending key would be found in the KeyStore
-// anyway.) A 307 or 308 that is not followed, for want of a Location, a
-// CheckRedirect that stops it, or a request body without GetBody, is
-// returned with its operation's key still pending.
+// leaves it nil). A 307 or 308 that is not followed, for want of a
+// Location, a CheckRedirect that stops it, or a request body without
+// GetBody, is returned with its operation's key still pending.
 //
 // A 301, 302 or 303 with a Location is the server's outcome, but
 // http.Client does not return it: it closes it and follows it with a GET,
@@ -73,10 +71,28 @@ import (
 // outcome of the GET (or of the last of the redirects it leads to) is
 // final and has reached the caller; a GET that fails leaves it pending,
 // and the next call with the operation's id gets the server's replay of
-// the redirect. The GET carries no key; it finds the operation through its
-// Response field, whose Request's context the Transport marks. A 301, 302
-// or 303 that is not followed is returned with the key still pending, as
-// a 307 or 308 is; one without a Location is final.
+// the redirect. The GET is another request: it carries no key of the
+// operation's (a key of its own if GET is a keyed method).
+//
+// The request that follows a redirect of an operation takes the operation
+// from the redirect, through its Response field, whose Request's context
+// the Transport marks, provided its own context names the same operation,
+// as http.Client's does. When it is sent through another Transport of this
+// package (a RoundTripper that routes hosts to Transports of their own),
+// the key is released in the KeyStore of the Transport that holds it. Sent
+// through a RoundTripper of another kind, it releases nothing, and the key
+// stays pending.
+//
+// A 301, 302 or 303 that is not followed (CheckRedirect returns
+// [http.ErrUseLastResponse], or the caller calls RoundTrip itself) is
+// returned with the key still pending, as a 307 or 308 is: the Transport
+// cannot tell whether http.Client will follow a redirect, and releasing
+// the key of one it follows would lose the key if the GET then failed. A
+// caller that acts on such redirects itself releases the key once it has,
+// with [KeyStore.Release] and the key [KeyStore.Pending] lists for the
+// operation; until then the next call with the operation's id sends it
+// again and gets the server's replay of the redirect. A 301, 302 or 303
+// without a Location is final.
 //
 // Each host (scheme, host and port) is guarded by a retry budget and a
 // circuit breaker, and optionally by a rate limit; see [Budget],
@@ -180,6 +196,9 @@ type call struct {
 	// follows a 301, 302 or 303, the key of the request redirected, which
 	// this one does not carry.
 	opKey string
+	// owner is the Transport whose KeyStore holds opKey, when it is not
+	// this one: a redirect's request may be followed through another.
+	owner *Transport
 
 	host     string          // scheme://host:port, for per-host state
 	admitted time.Time       // when the attempt in flight was admitted, or the call began
@@ -249,7 +268,7 @@ func (c *call) deliver(o outcome) *http.Response {
 	if release || c.t.cfg.attemptTimeout > 0 {
 		b := &responseBody{ReadCloser: resp.Body, cancel: o.cancel}
 		if release {
-			b.t, b.ctx, b.operation, b.key = c.t, c.ctx, c.operation, c.opKey
+			b.t, b.ctx, b.operation, b.key = c.keyOwner(), c.ctx, c.operation, c.opKey
 		}
 		resp.Body = b
 	}
@@ -277,9 +296,15 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 
 // assignKey decides the idempotency key: the caller's, the operation's
 // pending key, the key of the request a redirect answered, or a new one.
+// A request that follows a redirect of a pending operation takes that
+// operation from the redirect (see linkRedirect), not from its context: the
+// operation's key is pending in the KeyStore of the Transport that sent the
+// redirected request, which need not be this one, and the GET that follows
+// a 301, 302 or 303 is another request, which must not carry that key.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
 	c.key = callerKey(c.req.Header, cfg.keyHeader)
+	linked := c.req.Response != nil && c.followLink()
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.method) {
 		key := c.redirectedKey()
 		var err error
@@ -300,7 +325,7 @@ func (c *call) assignKey() error {
 				return err
 			}
 		}
-		if op, ok := OperationFrom(c.ctx); ok {
+		if op, ok := OperationFrom(c.ctx); ok && !linked {
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
 				return err
 			}
@@ -316,8 +341,6 @@ func (c *call) assignKey() error {
 			value = structuredString(key)
 		}
 		c.keyValue = value
-	} else if c.key == "" && c.req.Response != nil {
-		c.followLink()
 	}
 	c.resend = idempotentMethod(c.method) || c.key != ""
 	return nil
@@ -347,8 +370,12 @@ func (c *call) redirectedKey() string {
 }
 
 // redirectLink is an operation whose pending key a redirect that
-// http.Client follows hands on to the request that follows it.
-type redirectLink struct{ operation, key string }
+// http.Client follows hands on to the request that follows it, with the
+// Transport whose KeyStore holds the key.
+type redirectLink struct {
+	owner          *Transport
+	operation, key string
+}
 
 // redirectLinkKey is the context key of a redirectLink.
 type redirectLinkKey struct{}
@@ -363,19 +390,42 @@ type redirectLinkKey struct{}
 // that follows a 301 and is redirected again needs the link as well.
 func (c *call) linkRedirect(resp *http.Response) {
 	r := resp.Request // set by attempt if the base transport did not
-	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.operation, c.opKey})
+	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey})
 	resp.Request = r.WithContext(ctx)
 }
 
 // followLink takes on the pending operation of the redirect this request
 // follows, if it has one (see linkRedirect), so that its key is released
 // only once this request's outcome is final and has reached the caller.
-func (c *call) followLink() {
-	if prev := c.req.Response.Request; prev != nil {
-		if l, ok := prev.Context().Value(redirectLinkKey{}).(redirectLink); ok {
-			c.operation, c.opKey, c.pending = l.operation, l.key, true
-		}
+// It reports whether it did. http.Client sends the request that follows a
+// redirect with the context of the one redirected, operation included; a
+// request with another context (or none) that points at the redirect is
+// one a caller built from a response's Request, which follows nothing.
+func (c *call) followLink() bool {
+	prev := c.req.Response.Request
+	if prev == nil {
+		return false
 	}
+	l, ok := prev.Context().Value(redirectLinkKey{}).(redirectLink)
+	if !ok {
+		return false
+	}
+	if op, ok := OperationFrom(c.ctx); !ok || op != l.operation {
+		return false
+	}
+	c.operation, c.opKey, c.pending = l.operation, l.key, true
+	if l.owner != c.t {
+		c.owner = l.owner
+	}
+	return true
+}
+
+// keyOwner returns the Transport whose KeyStore holds the operation's key.
+func (c *call) keyOwner() *Transport {
+	if c.owner != nil {
+		return c.owner
+	}
+	return c.t
 }
 
 // bodyAllowed reports whether a response with status code to a request
@@ -756,7 +806,7 @@ func (c *call) log(a Attempt) {
 // release forgets the operation's key once its outcome is final.
 func (c *call) release() {
 	if c.pending {
-		c.t.releaseKey(c.ctx, c.operation, c.opKey)
+		c.keyOwner().releaseKey(c.ctx, c.operation, c.opKey)
 	}
 }
 
