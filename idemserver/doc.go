@@ -40,7 +40,8 @@
 // (the store cannot be reached for a whole lease, or reports the lease
 // lost), its context is cancelled with a cause wrapping [ErrLeaseLost], and
 // its response, if another request took the key over, is replaced by 503
-// so that its client retries and gets the outcome that was stored.
+// (unless the handler streamed it already) so that its client retries and
+// gets the outcome that was stored.
 //
 // No handler holds its key forever: after [WithMaxHold] (ten minutes by
 // default) its context is cancelled with a cause wrapping

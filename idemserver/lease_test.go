@@ -484,3 +484,29 @@ func TestSlowClaimLeaseRenewedInTime(t *testing.T) {
 		assert.Nil(t, h.cause.Load(), "the handler's context did not end")
 	})
 }
+
+// TestLeaseLostAfterStreaming has Complete report the lease lost for a
+// response the handler already streamed. The client has its status and
+// part of its body, so nothing replaces them: it gets the rest as
+// written, and the observer gets the lost lease.
+func TestLeaseLostAfterStreaming(t *testing.T) {
+	store := newStubStore()
+	store.complete = func(context.Context, Key, string, *Response, time.Time) error {
+		return ErrLeaseLost
+	}
+	var events []Event
+	mw := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "event 1\n")
+			w.(http.Flusher).Flush()
+			_, _ = io.WriteString(w, "event 2\n")
+		}))
+	w := &flushRecorder{ResponseRecorder: httptest.NewRecorder()}
+	mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, []string{"event 1\n"}, w.bodyAtFlush, "streamed before Complete")
+	assert.Equal(t, http.StatusCreated, w.Code)
+	assert.Equal(t, "event 1\nevent 2\n", w.Body.String())
+	require.Len(t, events, 1)
+	assert.ErrorIs(t, events[0].Err, ErrLeaseLost)
+}

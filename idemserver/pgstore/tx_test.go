@@ -10,6 +10,7 @@ import (
 	"net/http/httptrace"
 	"net/textproto"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -189,6 +190,46 @@ func TestTransactionalRoundTrips(t *testing.T) {
 	assert.Equal(t, int64(6), calls("new"), "new key: read, begin, claim, the handler's insert, complete, commit")
 	assert.Equal(t, int64(1), calls("new"), "replay: the read")
 	assert.Equal(t, int64(1), calls("new"), "replay: the read")
+}
+
+func TestTransactionalDuplicateInFlightRoundTrips(t *testing.T) {
+	// A duplicate of a claim whose transaction is still open costs four
+	// round trips (read, begin, the claim that does not get the lock,
+	// rollback) and gets 409 at once.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		once.Do(func() {
+			close(entered)
+			<-release
+		})
+		txPaymentsHandler().ServeHTTP(w, r)
+	}))
+	first := make(chan int, 1)
+	go func() {
+		status, _, _ := post(h, "k")
+		first <- status
+	}()
+	// However the test ends, the first request ends before the test's
+	// database is dropped.
+	finish := sync.OnceValue(func() int {
+		close(release)
+		return <-first
+	})
+	defer finish()
+	<-entered
+
+	before := db.calls.Load()
+	status, body, _ := post(h, "k")
+	assert.Equal(t, http.StatusConflict, status, body)
+	assert.Equal(t, int64(4), db.calls.Load()-before, "duplicate in flight: read, begin, claim, rollback")
+
+	assert.Equal(t, http.StatusCreated, finish())
+	assert.Equal(t, 1, countPayments(t, db.DB, "k"))
 }
 
 // failFirst installs a trigger that fails with SQLSTATE state the first n
