@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"context"
 	"io"
 	"net"
 	"net/http"
@@ -18,49 +19,106 @@ import (
 )
 
 func TestCompleteWhoseReplyWasLost(t *testing.T) {
-	// The connection is lost after the server stored the response and
-	// before its answer reached the store. The middleware sends the
-	// completion again, on another connection: it finds its own response
-	// stored under its token, and the client gets the handler's response,
-	// as every retry will, not a 503 that says the key was lost.
-	db := newTestDB(t, 4)
-	table := db.newStore(t).table.name
-	cfg, err := pgx.ParseConfig(db.dsn)
-	require.NoError(t, err)
-	proxy := newCommitCutter(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), true)
-	proxy.cutAt = "update" // the complete; the claim is a WITH
-	cfg.Host, cfg.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
-	cfg.RuntimeParams["search_path"] = db.schema
-	// Statements go as simple queries, which the proxy reads.
-	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
-	pool := stdlib.OpenDB(*cfg)
-	t.Cleanup(func() { _ = pool.Close() })
-	store, err := New(pool, WithTable(table))
-	require.NoError(t, err)
+	// The server stores the response, and its answer is lost before it
+	// reaches the store: the connection is cut, and database/sql sends the
+	// completion again on another connection, or a pooler answers with an
+	// error of its own, and the middleware sends it again. Either way the
+	// completion sent again finds its own response stored under its token,
+	// and the client gets the handler's response, as every retry will, not
+	// a 503 that says the key was lost. So it does when the middleware
+	// completes through Store.Complete, as it does for a store that wraps
+	// this one in a named field: the response, whose header fields are in
+	// a map, is stored in the same bytes each time.
+	packed := func(s *Store) idemserver.Store { return s }
+	named := func(s *Store) idemserver.Store { return namedStore{s} }
+	pooler := errorResponse("08P01", "server conn crashed?")
+	for _, tt := range []struct {
+		name   string
+		wrap   func(*Store) idemserver.Store
+		answer []byte // the store's answer in place of the server's, if any
+	}{
+		{"connection cut", packed, nil},
+		{"connection cut, Store.Complete", named, nil},
+		{"answered by a pooler", packed, pooler},
+		{"answered by a pooler, Store.Complete", named, pooler},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			table := db.newStore(t).table.name
+			cfg, err := pgx.ParseConfig(db.dsn)
+			require.NoError(t, err)
+			proxy := newCommitCutter(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), true)
+			proxy.cutAt = "update" // the complete; the claim is a WITH
+			proxy.answer = tt.answer
+			cfg.Host, cfg.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+			cfg.RuntimeParams["search_path"] = db.schema
+			// Statements go as simple queries, which the proxy reads.
+			cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+			pool := stdlib.OpenDB(*cfg)
+			t.Cleanup(func() { _ = pool.Close() })
+			store, err := New(pool, WithTable(table))
+			require.NoError(t, err)
 
-	var runs atomic.Int64
-	var events []idemserver.Event
-	h := idemserver.Middleware(store, idemserver.WithObserver(func(e idemserver.Event) { events = append(events, e) }))(
-		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			runs.Add(1)
-			proxy.armed.Store(true) // this request's completion loses its answer
-			w.WriteHeader(http.StatusCreated)
-			_, _ = io.WriteString(w, "created")
-		}))
-	status, body, replayed := post(h, "k")
-	require.True(t, proxy.cut.Load(), "the completion went through the proxy")
-	assert.Equal(t, http.StatusCreated, status, body)
-	assert.Equal(t, "created", body)
-	assert.False(t, replayed)
-	require.Len(t, events, 1)
-	assert.Equal(t, idemserver.OutcomeExecuted, events[0].Outcome)
-	assert.NotErrorIs(t, events[0].Err, idemserver.ErrLeaseLost)
+			var runs atomic.Int64
+			var events []idemserver.Event
+			h := idemserver.Middleware(tt.wrap(store), idemserver.WithObserver(func(e idemserver.Event) { events = append(events, e) }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					proxy.armed.Store(true) // this request's completion loses its answer
+					for i := range 12 {
+						w.Header().Set("X-Field-"+strconv.Itoa(i), "v")
+					}
+					w.WriteHeader(http.StatusCreated)
+					_, _ = io.WriteString(w, "created")
+				}))
+			// Several keys, so that a map that happens to be walked in the
+			// same order twice does not hide a difference.
+			for i := range 4 {
+				key := "k" + strconv.Itoa(i)
+				events = nil
+				proxy.cut.Store(false)
+				status, body, replayed := post(h, key)
+				require.True(t, proxy.cut.Load(), "the completion went through the proxy")
+				assert.Equal(t, http.StatusCreated, status, body)
+				assert.Equal(t, "created", body)
+				assert.False(t, replayed)
+				require.Len(t, events, 1)
+				assert.Equal(t, idemserver.OutcomeExecuted, events[0].Outcome)
+				assert.NotErrorIs(t, events[0].Err, idemserver.ErrLeaseLost)
 
-	status, body, replayed = post(h, "k")
-	assert.Equal(t, http.StatusCreated, status, body)
-	assert.Equal(t, "created", body)
-	assert.True(t, replayed)
-	assert.Equal(t, int64(1), runs.Load())
+				status, body, replayed = post(h, key)
+				assert.Equal(t, http.StatusCreated, status, body)
+				assert.Equal(t, "created", body)
+				assert.True(t, replayed)
+				assert.Equal(t, int64(i+1), runs.Load())
+			}
+		})
+	}
+}
+
+// namedStore holds a Store in a named field, as a wrapper that adds
+// something of its own to each method does, so that the middleware sees no
+// PackedStore and calls Claim, TakeOver and Complete.
+type namedStore struct{ s *Store }
+
+func (n namedStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	return n.s.Claim(ctx, c)
+}
+
+func (n namedStore) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	return n.s.TakeOver(ctx, c, expiredToken)
+}
+
+func (n namedStore) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
+	return n.s.Complete(ctx, key, token, resp, expires)
+}
+
+func (n namedStore) Release(ctx context.Context, key idemserver.Key, token string) error {
+	return n.s.Release(ctx, key, token)
+}
+
+func (n namedStore) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
+	return n.s.Extend(ctx, key, token, leaseExpires)
 }
 
 func TestBackendTerminatedBetweenClaimAndEnd(t *testing.T) {

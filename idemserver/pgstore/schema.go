@@ -263,7 +263,13 @@ const migrateLockTimeout = "10s"
 // nothing and returns an error that says so. Teams that run their own migrations can apply
 // the same SQL, shown in docs/pgstore.md, instead.
 func (s *Store) Migrate(ctx context.Context) error {
-	tx, err := s.db.BeginTx(ctx, nil)
+	// Read committed, whatever the database's default: each statement
+	// sees what committed before it began, so that the catalog read after
+	// the lock sees the table that the instance it waited for made. A
+	// snapshot taken with the lock's statement, before the wait, would see
+	// the table's name (to_regclass reads the latest catalog) without its
+	// columns, and take it for someone else's.
+	tx, err := s.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}

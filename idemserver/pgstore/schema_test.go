@@ -7,7 +7,10 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -218,4 +221,51 @@ WHERE attrelid = '"idempotency_keys"'::regclass AND attnum > 0 AND NOT attisdrop
 	assert.Equal(t, wantColumns, columns(), "the table's columns")
 	assert.Equal(t, wantIndexes, indexes(), "the table's indexes")
 	assert.Equal(t, []string{"theirs"}, keysIn(t, db, s))
+}
+
+func TestMigrateAfterAnotherInstanceUnderEachIsolationLevel(t *testing.T) {
+	// Migrate waits for its advisory lock while another instance creates
+	// the table, and then finds the table made: whatever the database's
+	// default isolation level, which a snapshot taken before the wait
+	// would keep from showing the new table's columns, so that the table
+	// would look like someone else's and the instance would fail to start.
+	for _, level := range []string{"read committed", "repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			cfg, err := pgx.ParseConfig(db.dsn)
+			require.NoError(t, err)
+			cfg.RuntimeParams["search_path"] = db.schema
+			cfg.RuntimeParams["default_transaction_isolation"] = level
+			pool := stdlib.OpenDB(*cfg)
+			t.Cleanup(func() { _ = pool.Close() })
+			s, err := New(pool, WithTable("keys"))
+			require.NoError(t, err)
+
+			// The other instance, holding the lock, as its Migrate does.
+			other, err := db.BeginTx(t.Context(), nil)
+			require.NoError(t, err)
+			defer func() { _ = other.Rollback() }()
+			_, err = other.ExecContext(t.Context(), `SELECT pg_advisory_xact_lock($1)`, int64(migrateLock))
+			require.NoError(t, err)
+
+			done := make(chan error, 1)
+			go func() { done <- s.Migrate(t.Context()) }()
+			require.Eventually(t, func() bool {
+				var waiting bool
+				err := db.QueryRowContext(t.Context(), `SELECT EXISTS (SELECT FROM pg_locks
+WHERE locktype = 'advisory' AND NOT granted AND objid = $1::bigint & x'ffffffff'::bigint)`, int64(migrateLock)).Scan(&waiting)
+				return err == nil && waiting
+			}, 10*time.Second, time.Millisecond, "Migrate waits for the lock")
+			for _, q := range s.q.ddl {
+				_, err := other.ExecContext(t.Context(), q)
+				require.NoError(t, err)
+			}
+			require.NoError(t, other.Commit())
+
+			require.NoError(t, <-done)
+			res, err := s.Claim(t.Context(), testClaim("k", 3600e9))
+			require.NoError(t, err)
+			assert.True(t, res.Claimed)
+		})
+	}
 }

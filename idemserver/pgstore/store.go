@@ -457,25 +457,38 @@ func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, toke
 // expires (measured from now on the store's clock, see [WithClock], and
 // applied to the database's).
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
-	return s.complete(ctx, key, token, idemserver.PackResponse(resp), time.Time{}, expires)
+	// Encode writes the fields in the order of their names, not in the
+	// header map's, which differs from one walk to the next: a completion
+	// sent again with the same response must carry the same bytes, by
+	// which the complete statement knows it stored them already.
+	var encoded []byte
+	err := errNoResponse
+	if resp != nil {
+		encoded, err = respcodec.Encode(resp), nil
+	}
+	return s.complete(ctx, key, token, encoded, err, time.Time{}, expires)
 }
+
+// errNoResponse is the error of a completion without a response.
+var errNoResponse = errors.New("no response")
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
 // the response given packed and the retention measured from c.Now, the
 // middleware's time, when it is set.
 func (s *Store) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {
-	return s.complete(ctx, c.Key, c.Token, c.Response, c.Now, c.Expires)
+	encoded, err := respcodec.AppendPacked(make([]byte, 0, c.Response.Len()+8), c.Response)
+	return s.complete(ctx, c.Key, c.Token, encoded, err, c.Now, c.Expires)
 }
 
-// complete stores resp, encoded without first becoming a Response, as
-// Complete describes, to be kept for expires less now (the store's clock
-// when now is zero) from the statement that stores it.
-func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, resp idemserver.PackedResponse, now, expires time.Time) error {
-	encoded, err := respcodec.AppendPacked(make([]byte, 0, resp.Len()+8), resp)
-	if err != nil {
+// complete stores the encoded response, as Complete describes, to be kept
+// for expires less now (the store's clock when now is zero) from the
+// statement that stores it; encodeErr, when not nil, is why there is no
+// encoded response, and the claim ends without one.
+func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, encoded []byte, encodeErr error, now, expires time.Time) error {
+	if encodeErr != nil {
 		// Not a response: nothing to store. A claim's transaction must
 		// not be left open.
-		err = fmt.Errorf("pgstore: complete: %w", err)
+		err := fmt.Errorf("pgstore: complete: %w", encodeErr)
 		if st := stateOf(ctx, key, token); s.transactional && st != nil {
 			st.ended.Store(true)
 			_ = st.rollback()
