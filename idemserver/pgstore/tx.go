@@ -139,8 +139,9 @@ func stateOf(ctx context.Context, key idemserver.Key, token string) *txState {
 // inserts the claim. A claimant that does not get the lock knows another
 // holds an uncommitted claim of the key and reports it in progress at once:
 // it neither waits on the other's row nor holds a connection afterwards.
-// A won claim's transaction keeps its connection (see txState). The insert still settles races with claims that committed after the
-// statement's snapshot, as in lease mode.
+// A won claim's transaction keeps its connection (see txState). The insert
+// still settles races with claims that committed after the statement's
+// snapshot, as in lease mode.
 func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
 	scope, lease := []byte(c.Key.Scope), c.LeaseExpires.Sub(c.Now)
 	claimed := func(st *txState) (idemserver.ClaimResult, sql.NullString, error) {
