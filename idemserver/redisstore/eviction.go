@@ -104,14 +104,18 @@ func (e *evictionCheck) recheck(ctx context.Context, c redis.UniversalClient, no
 		}
 		call := e.call
 		if call == nil {
-			call = &evictionCall{done: make(chan struct{})}
+			// Until check returns, the claims waiting are refused: a
+			// check that panicked (in a hook, say) lets none through.
+			call = &evictionCall{done: make(chan struct{}), err: errCheckUnfinished}
 			e.call = call
 			e.mu.Unlock()
+			defer func() {
+				e.mu.Lock()
+				e.call = nil
+				e.mu.Unlock()
+				close(call.done)
+			}()
 			call.err = e.check(ctx, c, now)
-			e.mu.Lock()
-			e.call = nil
-			e.mu.Unlock()
-			close(call.done)
 			return call.err
 		}
 		e.mu.Unlock()
@@ -130,6 +134,9 @@ func (e *evictionCheck) recheck(ctx context.Context, c redis.UniversalClient, no
 		return call.err
 	}
 }
+
+// errCheckUnfinished is the verdict of a check that did not return.
+var errCheckUnfinished = errors.New("redisstore: claim: the check of Redis's eviction settings did not finish")
 
 // check reads Redis's eviction settings and records the verdict, which it
 // returns. When Redis could not be asked (it is down, say), it records

@@ -317,3 +317,30 @@ func TestEvictionCheckedOnceByConcurrentClaims(t *testing.T) {
 	claimAll(1)
 	assert.Equal(t, 1, cmds.take("info"), "concurrent claims after the interval")
 }
+
+// panicOnce is a go-redis hook that panics on the first INFO.
+type panicOnce struct{ done atomic.Bool }
+
+func (p *panicOnce) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (p *panicOnce) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "info" && p.done.CompareAndSwap(false, true) {
+			panic("hook")
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (p *panicOnce) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func TestEvictionCheckPanicked(t *testing.T) {
+	// A check that panics (in a hook) leaves no check under way behind it
+	// for later claims to wait on forever: the next claim checks again.
+	c := newClient(t, new(panicOnce))
+	store := redisstore.New(c, redisstore.WithPrefix(newPrefix(t, c)))
+	assert.Panics(t, func() { _, _ = store.Claim(t.Context(), claim("k", "t", time.Minute)) })
+	mustClaim(t, store, claim("k", "t", time.Minute))
+}
