@@ -95,3 +95,53 @@ func TestClusterClaimGoesToItsNode(t *testing.T) {
 	}
 	assert.Zero(t, movedReplies(t, addrs), "commands sent to a node that does not serve their key")
 }
+
+// infoCalls returns how many INFO commands the server at addr has
+// answered since its statistics were reset (startCluster resets them),
+// not counting the one that asks.
+func infoCalls(t *testing.T, addr string) int {
+	info, err := clientOf(t, addr).Info(t.Context(), "commandstats").Result()
+	require.NoError(t, err)
+	for line := range strings.Lines(info) {
+		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), "cmdstat_info:calls="); ok {
+			n, err := strconv.Atoi(rest[:strings.IndexByte(rest, ',')])
+			require.NoError(t, err)
+			return n
+		}
+	}
+	return 0
+}
+
+func TestClusterEvictionPolicy(t *testing.T) {
+	// On Redis Cluster the store reads the eviction settings of every
+	// primary: one that may evict is enough to refuse claims, whichever
+	// node their keys hash to, and the error names it.
+	addrs := startCluster(t)
+	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: addrs})
+	t.Cleanup(func() { _ = c.Close() })
+	second := clientOf(t, addrs[1])
+	ctx := context.Background()
+	var clock fakeClock
+	store := redisstore.New(c, redisstore.WithClock(clock.now))
+	mustClaim(t, store, clock.claim("k0", "t"))
+	assert.Equal(t, 1, infoCalls(t, addrs[0]), "INFO on the first primary")
+	assert.Equal(t, 1, infoCalls(t, addrs[1]), "INFO on the second primary")
+
+	require.NoError(t, second.ConfigSet(ctx, "maxmemory", "100mb").Err())
+	require.NoError(t, second.ConfigSet(ctx, "maxmemory-policy", "volatile-lru").Err())
+	t.Cleanup(func() {
+		_ = second.ConfigSet(context.Background(), "maxmemory", "0").Err()
+		_ = second.ConfigSet(context.Background(), "maxmemory-policy", "noeviction").Err()
+	})
+	clock.add(redisstore.EvictionCheckInterval)
+	for i := range 8 {
+		_, err := store.Claim(ctx, clock.claim(fmt.Sprint("k", i+1), "t"))
+		require.ErrorIs(t, err, redisstore.ErrEvictionPolicy, "a claim of a key on either node")
+		assert.ErrorContains(t, err, addrs[1])
+		assert.ErrorContains(t, err, "volatile-lru")
+	}
+
+	require.NoError(t, second.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err())
+	clock.add(redisstore.EvictionCheckInterval)
+	mustClaim(t, store, clock.claim("k9", "t"))
+}

@@ -37,7 +37,9 @@
 // and the store sends the script itself (EVAL), which loads it again. A
 // claim and a replay need no script.
 //
-// Two rarer claims take a second round trip. A claim that finds a
+// A store's first claim, and its first after each [EvictionCheckInterval],
+// takes one more, INFO memory (see "Eviction" below). Two rarer claims
+// take a second round trip. A claim that finds a
 // completed record expired by the middleware's clock but still in Redis
 // (where the clocks of two instances differ) replaces it with the takeover
 // script, as the Store contract treats an expired record as absent. And a
@@ -127,15 +129,14 @@
 //     the Redis process alone usually nothing (Redis writes the log before
 //     it replies, unless a slow disk makes it postpone the write).
 //     appendfsync no leaves the flush to the kernel: tens of seconds;
-//   - maxmemory-policy noeviction. Every record has a TTL, so the volatile-*
-//     and allkeys-* policies would evict live records in silence; with
-//     noeviction a full Redis refuses new claims (the store's error wraps
-//     [idemserver.ErrStoreFull]), and the middleware answers 503, while
-//     the claims it holds are still extended and completed (a little past
-//     maxmemory: their scripts write PEXPIRE first, which Redis lets
-//     through, and then every later write), and completed keys replay
-//     (Redis refuses the claim's SET, and the store reads the record with
-//     a GET: two round trips while Redis is full);
+//   - maxmemory-policy noeviction, or no maxmemory (see "Eviction"
+//     below). With noeviction a full Redis refuses new claims (the
+//     store's error wraps [idemserver.ErrStoreFull]), and the middleware
+//     answers 503, while the claims it holds are still extended and
+//     completed (a little past maxmemory: their scripts write PEXPIRE
+//     first, which Redis lets through, and then every later write), and
+//     completed keys replay (Redis refuses the claim's SET, and the store
+//     reads the record with a GET: two round trips while Redis is full);
 //   - replication is asynchronous: a failover to a replica can lose the last
 //     writes the primary acknowledged.
 //
@@ -160,4 +161,31 @@
 // its pool holds connections have failed, it answers the last dial error
 // without dialing until a probe it sends once a second gets through: the
 // 503s last up to a second after Redis is back.
+//
+// # Eviction
+//
+// Every record has a TTL, so a Redis with a maxmemory and any
+// maxmemory-policy but noeviction (allkeys-lru, volatile-lru and the other
+// allkeys-* and volatile-* ones) evicts live records when memory runs
+// short, and tells no one. Managed services often default to such a policy
+// (ElastiCache's is volatile-lru). The store therefore checks: it reads
+// maxmemory and maxmemory_policy with INFO memory (on every primary of a
+// Cluster) on its first claim, and again with the first claim after each
+// [EvictionCheckInterval] by its clock, one claim checking while the
+// others go on the last verdict. While Redis may evict, or while the
+// store cannot tell (INFO refused by an ACL, which puts it in @dangerous,
+// or renamed), claims fail with an error wrapping [ErrEvictionPolicy] that
+// says why and what to do, and the middleware answers 503 with
+// Retry-After without running the handler and reports the error to its
+// observer. Claims held go on being extended, completed and released; a
+// claim of a completed key is refused too, rather than replayed. A policy
+// changed at runtime is caught at the next check, and so is its fix: in
+// between, up to one interval, claims go on the last verdict, and a Redis
+// made to evict in that window may do so unseen. The check is one more
+// round trip (one per primary, sent together, on a Cluster) for the claim
+// that makes it; between checks, a claim pays an atomic load for it.
+//
+// [WithEvictionAllowed] turns the check off, and never sends INFO: for an
+// operator who accepts eviction, or cannot grant INFO. Records Redis
+// evicts are then forgotten before their TTL, in silence.
 package redisstore

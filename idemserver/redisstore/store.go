@@ -56,6 +56,7 @@ type Store struct {
 	client                              redis.UniversalClient
 	prefix                              string
 	now                                 func() time.Time
+	eviction                            *evictionCheck // nil: WithEvictionAllowed
 	takeOver, complete, release, extend *redis.Script
 }
 
@@ -87,7 +88,8 @@ func WithClock(now func() time.Time) Option {
 // reaches: a single server, a Sentinel-managed one or a Cluster, of Redis
 // 7.0 or later. The store does not close the client. New panics if client
 // is a *redis.Ring, which loses records in silence (see the package
-// documentation).
+// documentation). Unless made [WithEvictionAllowed], the store refuses
+// claims while that Redis may evict records (see [ErrEvictionPolicy]).
 func New(client redis.UniversalClient, opts ...Option) *Store {
 	if _, ok := client.(*redis.Ring); ok {
 		panic("redisstore: New: a *redis.Ring cannot keep idempotency records (see the package documentation); use a *redis.Client, a Sentinel failover client or a *redis.ClusterClient")
@@ -96,6 +98,7 @@ func New(client redis.UniversalClient, opts ...Option) *Store {
 		client:   client,
 		prefix:   DefaultPrefix,
 		now:      time.Now,
+		eviction: new(evictionCheck),
 		takeOver: redis.NewScript(takeOverScript),
 		complete: redis.NewScript(completeScript),
 		release:  redis.NewScript(releaseScript),
@@ -159,8 +162,14 @@ func (s *Store) claim(ctx context.Context, c idemserver.Claim, token string, tak
 	if err := checkToken(token); err != nil {
 		return false, record{}, err
 	}
-	if d := c.Now.Sub(s.now()); d > MaxClockSkew || d < -MaxClockSkew {
+	now := s.now()
+	if d := c.Now.Sub(now); d > MaxClockSkew || d < -MaxClockSkew {
 		return false, record{}, fmt.Errorf("%w: claim of %q stamped %v from it", ErrClockSkew, c.Key.Key, d)
+	}
+	if s.eviction != nil {
+		if err := s.eviction.refusal(ctx, s.client, now); err != nil {
+			return false, record{}, err
+		}
 	}
 	a := newClaimArgs(s.prefix, c, token)
 	if takeOver {
