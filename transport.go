@@ -192,6 +192,9 @@ type call struct {
 	operation string // from WithOperation, or ""
 	pending   bool   // opKey is pending in the KeyStore under operation
 	resend    bool   // the request may be sent again after it reached the server
+	// watchBody: the request may be sent again only if nothing reached the
+	// server, so each attempt notes whether its body was read.
+	watchBody bool
 	// opKey is the operation's pending key: key, or, for a request that
 	// follows a 301, 302 or 303, the key of the request redirected, which
 	// this one does not carry.
@@ -343,6 +346,7 @@ func (c *call) assignKey() error {
 		c.keyValue = value
 	}
 	c.resend = idempotentMethod(c.method) || c.key != ""
+	c.watchBody = !c.resend && c.body.replayable
 	return nil
 }
 
@@ -520,6 +524,10 @@ type outcome struct {
 	cancel  context.CancelFunc // ends ctx; call once resp is not needed
 	elapsed time.Duration
 	unsent  bool // the attempt was not sent: refused, or its body was unavailable
+	// bodyRead: the base transport read the request body, which it does
+	// only once it has a connection to send it on (set only for a call
+	// that watches its body).
+	bodyRead bool
 }
 
 // attempt sends attempt n, which the host's breaker admitted.
@@ -540,10 +548,18 @@ func (c *call) attempt(n int) outcome {
 		o.err, o.unsent = err, true
 		return o
 	}
+	var watch *watchedBody
+	if c.watchBody && body != nil && body != http.NoBody {
+		watch = &watchedBody{ReadCloser: body}
+		body = watch
+	}
 	r := c.attemptRequest(o.ctx, ownCtx)
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
+	if watch != nil {
+		o.bodyRead = watch.read.Load()
+	}
 	if c.t.cfg.observed() {
 		// Only a hook or a logger reads it; a clock reading is not free.
 		o.elapsed = time.Since(c.admitted)
@@ -683,6 +699,13 @@ func (c *call) decide(n int, o outcome) (Reason, time.Duration) {
 			return ReasonNotRetryable, 0
 		case errTransient:
 			if !c.resend {
+				return ReasonNotRetryable, 0
+			}
+		case errNotSent:
+			// An error that looks like a failed dial proves nothing once
+			// the body has been read: it may be the body's own error,
+			// after the header went out.
+			if !c.resend && o.bodyRead {
 				return ReasonNotRetryable, 0
 			}
 		}
