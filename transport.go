@@ -604,21 +604,37 @@ func headerValue(h http.Header, key string) string {
 // another spelling is the caller's key all the same, and adding a second
 // one beside it would send two. The canonical spelling costs one lookup;
 // the others are looked for only when it holds no key.
+//
+// A blank value (empty, or only spaces and tabs) is no key: a field's value
+// loses its surrounding white space on the way, and the server reads an
+// empty one as no key, so a request sent again on its strength would run
+// again.
 func callerKey(h http.Header, key string) string {
 	if len(h) == 0 {
 		return ""
 	}
-	if v := headerValue(h, key); v != "" {
+	if v := headerValue(h, key); !blank(v) {
 		return v
 	}
 	for k, vv := range h {
 		// Equal lengths first: EqualFold is dearer, and a name of another
 		// length cannot match.
-		if len(k) == len(key) && len(vv) > 0 && vv[0] != "" && strings.EqualFold(k, key) {
+		if len(k) == len(key) && len(vv) > 0 && !blank(vv[0]) && strings.EqualFold(k, key) {
 			return vv[0]
 		}
 	}
 	return ""
+}
+
+// blank reports whether a header field value is empty once the spaces and
+// tabs around it are dropped, as they are on the wire.
+func blank(v string) bool {
+	for i := 0; i < len(v); i++ {
+		if v[i] != ' ' && v[i] != '\t' {
+			return false
+		}
+	}
+	return true
 }
 
 // keyedRequest is an attempt's copy of the caller's request with room for

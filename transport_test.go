@@ -732,3 +732,37 @@ func TestCallerKeyKeptWhateverTheSpelling(t *testing.T) {
 		})
 	}
 }
+
+// A key field the caller left blank (empty, or only spaces and tabs) reaches
+// the server as an empty value, which a server reads as no key and runs
+// unkeyed. It is no key: a keyed method gets one of the Transport's, and a
+// request of another method is not resent as if it carried one.
+func TestBlankCallerKeyIsNoKey(t *testing.T) {
+	for _, blank := range []string{" ", "\t", " \t "} {
+		t.Run(fmt.Sprintf("%q on POST", blank), func(t *testing.T) {
+			srv := newServer(t, status(503), status(200))
+			req := post(t, context.Background(), srv.URL, "charge")
+			req.Header.Set("Idempotency-Key", blank)
+
+			resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), req)
+
+			assert.Equal(t, 200, resp.StatusCode)
+			got := srv.received()
+			require.Len(t, got, 2)
+			isUUIDv7(t, got[0].Key)
+			assert.Equal(t, got[0].Key, got[1].Key)
+			assert.Equal(t, []string{blank}, req.Header.Values("Idempotency-Key"), "caller's header changed")
+		})
+		t.Run(fmt.Sprintf("%q on an unkeyed method", blank), func(t *testing.T) {
+			srv := newServer(t, status(503), status(200))
+			req, err := http.NewRequest("CHARGE", srv.URL, strings.NewReader("charge"))
+			require.NoError(t, err)
+			req.Header.Set("Idempotency-Key", blank)
+
+			resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), req)
+
+			assert.Equal(t, 503, resp.StatusCode)
+			assert.Equal(t, int32(1), srv.hits.Load(), "an unkeyed request was sent again")
+		})
+	}
+}
