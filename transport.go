@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net/http"
 	"runtime"
@@ -274,9 +275,22 @@ func (c *call) deliver(o outcome) *http.Response {
 			b.t, b.ctx, b.operation, b.key = c.keyOwner(), c.ctx, c.operation, c.opKey
 		}
 		resp.Body = b
+		if w, ok := b.ReadCloser.(io.Writer); ok && resp.StatusCode == http.StatusSwitchingProtocols {
+			resp.Body = upgradedBody{b, w}
+		}
 	}
 	return resp
 }
+
+// upgradedBody is the body of a 101 Switching Protocols response: the
+// connection itself, which net/http hands over as an io.ReadWriteCloser
+// for the caller to speak the new protocol on. Its wrapper keeps Write.
+type upgradedBody struct {
+	*responseBody
+	w io.Writer
+}
+
+func (b upgradedBody) Write(p []byte) (int, error) { return b.w.Write(p) }
 
 // refused ends a request whose attempt n was refused before it was sent.
 // The request ends with the outcome of attempt n-1, as when retries run
