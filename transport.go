@@ -53,6 +53,18 @@ import (
 // response returned because retries ran out, or any other outcome that is
 // not final, leaves the key pending as it is.
 //
+// A 4xx that is not retried is final only for a key the server cannot have
+// acted on before: one sent for the first time, by the first attempt of
+// the call that recorded it. Once the key may have reached the server (an
+// earlier attempt of the call, or an earlier call that left it pending), a
+// 4xx keeps it pending unless the server marks the response as the replay
+// of the outcome it stored for the key (Idempotent-Replayed: true): a layer
+// in front of the server's idempotency, such as authentication refusing a
+// token that expired since the first attempt, answers without looking at
+// the key, while the first attempt may have acted. The next call with the
+// operation's id sends the key again and gets that replay. A 2xx or a
+// final 3xx is final whenever it comes.
+//
 // A 307 or 308 asks for the same request to be sent to another URL, so it
 // does not end the request's operation: when [http.Client] follows it, the
 // request it sends carries the key of the request redirected, and an
@@ -203,6 +215,9 @@ type call struct {
 	// owner is the Transport whose KeyStore holds opKey, when it is not
 	// this one: a redirect's request may be followed through another.
 	owner *Transport
+	// carried: opKey was pending before this call, so an earlier call may
+	// have sent it and the server acted on it.
+	carried bool
 
 	host     string          // scheme://host:port, for per-host state
 	admitted time.Time       // when the attempt in flight was admitted, or the call began
@@ -246,20 +261,23 @@ func (c *call) run() (*http.Response, error) {
 			o.cancel()
 			return nil, c.giveUp(n, reason, o.err)
 		}
-		return c.deliver(o), nil
+		return c.deliver(n, o), nil
 	}
 }
 
-// deliver readies the response RoundTrip returns. An operation whose
-// outcome it is keeps its key pending until the caller has the response
-// in full: the key is released when the body is read to its end or closed
-// without a read error, not when the header arrives, for a body lost in
-// transit leaves the caller as ignorant of the outcome as a lost response.
-// A response without a body is delivered whole, so its key is released at
-// once.
-func (c *call) deliver(o outcome) *http.Response {
+// deliver readies the response RoundTrip returns, that of attempt n. An
+// operation whose outcome it is keeps its key pending until the caller has
+// the response in full: the key is released when the body is read to its
+// end or closed without a read error, not when the header arrives, for a
+// body lost in transit leaves the caller as ignorant of the outcome as a
+// lost response. A response without a body is delivered whole, so its key
+// is released at once.
+func (c *call) deliver(n int, o outcome) *http.Response {
 	resp := o.resp
 	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
+	if release && resp.StatusCode >= 400 && c.keySentBefore(n) && !replayed(resp.Header) {
+		release = false
+	}
 	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
 		c.linkRedirect(resp)
 	}
@@ -291,6 +309,29 @@ type upgradedBody struct {
 }
 
 func (b upgradedBody) Write(p []byte) (int, error) { return b.w.Write(p) }
+
+// keySentBefore reports whether attempt n carries the operation's key and
+// the key may have reached the server before it: with an earlier attempt
+// of this call, or with an earlier call, which left it pending.
+//
+// A 4xx that answers such an attempt does not end the operation unless the
+// server says it replays the outcome it stored for the key (see replayed).
+// A layer in front of the server's idempotency may have answered without
+// looking at the key (authentication refusing a token that expired since
+// the first attempt, a gateway), and the attempt before may have acted:
+// forgetting the key then would let the next call act again under a new
+// one. Kept pending, the key goes with the next call, and the server
+// replays its outcome.
+func (c *call) keySentBefore(n int) bool {
+	return (n > 1 || c.carried) && c.key == c.opKey
+}
+
+// replayed reports whether a response is the outcome a server stored for
+// the request's idempotency key, replayed, as idemserver and other servers
+// mark it.
+func replayed(h http.Header) bool {
+	return strings.EqualFold(headerValue(h, "Idempotent-Replayed"), "true")
+}
 
 // refused ends a request whose attempt n was refused before it was sent.
 // The request ends with the outcome of attempt n-1, as when retries run
@@ -343,6 +384,7 @@ func (c *call) assignKey() error {
 			}
 		}
 		if op, ok := OperationFrom(c.ctx); ok && !linked {
+			candidate := key
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
 				return err
 			}
@@ -351,6 +393,7 @@ func (c *call) assignKey() error {
 				return err
 			}
 			c.operation, c.pending, c.opKey = op, true, key
+			c.carried = key != candidate
 		}
 		c.key = key
 		value := key
