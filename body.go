@@ -225,3 +225,19 @@ func (b *responseBody) Close() error {
 	}
 	return err
 }
+
+// watchedBody is a request body that notes whether it was read. A base
+// transport reads a request's body only once it has a connection to send
+// it on, so a body that was read means the request's header may have
+// reached the server, whatever error the attempt ends with: the body's
+// own read error is what net/http returns then, and it can be any error,
+// one that looks like a refused dial included.
+type watchedBody struct {
+	io.ReadCloser
+	read atomic.Bool
+}
+
+func (b *watchedBody) Read(p []byte) (int, error) {
+	b.read.Store(true)
+	return b.ReadCloser.Read(p)
+}

@@ -33,15 +33,17 @@
 // # Operations and keys
 //
 // Requests whose method is keyed (POST and PATCH by default) get an
-// Idempotency-Key header unless the caller already set one. Without an
-// operation in the context the key is a fresh UUIDv7 shared by the attempts
-// of one RoundTrip, and by the request that repeats it after a 307 or 308
-// that http.Client follows. With [WithOperation] the key comes from the
+// Idempotency-Key header unless the caller already set one (a blank value,
+// which reaches the server empty, is none). Without an operation in the
+// context the key is a fresh UUIDv7 shared by the attempts of one
+// RoundTrip, and by the request that repeats it after a 307 or 308 that
+// http.Client follows. With [WithOperation] the key comes from the
 // configured [KeyStore] and stays pending until the outcome is final (a
 // 2xx; a 3xx other than 307 and 308 that [http.Client] would not follow,
 // such as a 304, or a 301, 302 or 303 without a Location; or a 4xx that is
-// not retryable) and has reached the caller, so a later call for the same
-// operation, in this process or the next, sends the same key. Through a
+// not retryable, answering the key's first send or replayed by the server)
+// and has reached the caller, so a later call for the same operation, in
+// this process or the next, sends the same key. Through a
 // redirect that http.Client follows, it stays pending until the outcome of
 // the request that follows reaches the caller; a redirect returned
 // unfollowed leaves it pending (see [Transport]).

@@ -9,7 +9,9 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -81,6 +83,38 @@ func TestUnkeyedPostRetriedOnlyWhenNothingWasSent(t *testing.T) {
 		resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), post(t, context.Background(), srv.URL, "x"))
 		assert.Equal(t, 200, resp.StatusCode)
 		assert.Equal(t, int32(2), srv.hits.Load())
+	})
+	t.Run("body failing like a refused dial after the header went out is not retried", func(t *testing.T) {
+		// The server's handler runs once the header has arrived, before
+		// the body: one that takes its arguments from the URL acts then.
+		var arrivals atomic.Int32
+		arrived := make(chan struct{}, 1)
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			arrivals.Add(1)
+			arrived <- struct{}{}
+			_, _ = io.Copy(io.Discard, r.Body)
+		}))
+		t.Cleanup(srv.Close)
+		// A body streamed from elsewhere fails with that source's error,
+		// which net/http returns as the attempt's.
+		dialErr := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+		body := func() io.ReadCloser {
+			return io.NopCloser(readerFunc(func([]byte) (int, error) {
+				<-arrived
+				return 0, dialErr
+			}))
+		}
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/charge?amount=100", body())
+		require.NoError(t, err)
+		req.GetBody = func() (io.ReadCloser, error) { return body(), nil }
+
+		_, err = NewTransport(newBaseTransport(t), WithKeyedMethods(), WithBackoff(noWait)).RoundTrip(req)
+		require.Error(t, err)
+		assert.ErrorIs(t, err, syscall.ECONNREFUSED)
+		var re *RetryError
+		require.ErrorAs(t, err, &re)
+		assert.Equal(t, ReasonNotRetryable, re.Reason)
+		assert.Equal(t, int32(1), arrivals.Load(), "the handler ran again")
 	})
 	t.Run("refused dial is retried", func(t *testing.T) {
 		addr := closedPort(t)
@@ -242,3 +276,8 @@ func TestEmptyMethodIsRetriedAsGet(t *testing.T) {
 	require.Len(t, attempts, 2)
 	assert.Equal(t, http.MethodGet, attempts[0].Method)
 }
+
+// readerFunc adapts a function to io.Reader.
+type readerFunc func(p []byte) (int, error)
+
+func (f readerFunc) Read(p []byte) (int, error) { return f(p) }

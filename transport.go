@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net/http"
 	"runtime"
@@ -51,6 +52,18 @@ import (
 // a durable KeyStore's write for it delays that call, not the response. A
 // response returned because retries ran out, or any other outcome that is
 // not final, leaves the key pending as it is.
+//
+// A 4xx that is not retried is final only for a key the server cannot have
+// acted on before: one sent for the first time, by the first attempt of
+// the call that recorded it. Once the key may have reached the server (an
+// earlier attempt of the call, or an earlier call that left it pending), a
+// 4xx keeps it pending unless the server marks the response as the replay
+// of the outcome it stored for the key (Idempotent-Replayed: true): a layer
+// in front of the server's idempotency, such as authentication refusing a
+// token that expired since the first attempt, answers without looking at
+// the key, while the first attempt may have acted. The next call with the
+// operation's id sends the key again and gets that replay. A 2xx or a
+// final 3xx is final whenever it comes.
 //
 // A 307 or 308 asks for the same request to be sent to another URL, so it
 // does not end the request's operation: when [http.Client] follows it, the
@@ -192,6 +205,9 @@ type call struct {
 	operation string // from WithOperation, or ""
 	pending   bool   // opKey is pending in the KeyStore under operation
 	resend    bool   // the request may be sent again after it reached the server
+	// watchBody: the request may be sent again only if nothing reached the
+	// server, so each attempt notes whether its body was read.
+	watchBody bool
 	// opKey is the operation's pending key: key, or, for a request that
 	// follows a 301, 302 or 303, the key of the request redirected, which
 	// this one does not carry.
@@ -199,6 +215,9 @@ type call struct {
 	// owner is the Transport whose KeyStore holds opKey, when it is not
 	// this one: a redirect's request may be followed through another.
 	owner *Transport
+	// carried: opKey was pending before this call, so an earlier call may
+	// have sent it and the server acted on it.
+	carried bool
 
 	host     string          // scheme://host:port, for per-host state
 	admitted time.Time       // when the attempt in flight was admitted, or the call began
@@ -242,20 +261,23 @@ func (c *call) run() (*http.Response, error) {
 			o.cancel()
 			return nil, c.giveUp(n, reason, o.err)
 		}
-		return c.deliver(o), nil
+		return c.deliver(n, o), nil
 	}
 }
 
-// deliver readies the response RoundTrip returns. An operation whose
-// outcome it is keeps its key pending until the caller has the response
-// in full: the key is released when the body is read to its end or closed
-// without a read error, not when the header arrives, for a body lost in
-// transit leaves the caller as ignorant of the outcome as a lost response.
-// A response without a body is delivered whole, so its key is released at
-// once.
-func (c *call) deliver(o outcome) *http.Response {
+// deliver readies the response RoundTrip returns, that of attempt n. An
+// operation whose outcome it is keeps its key pending until the caller has
+// the response in full: the key is released when the body is read to its
+// end or closed without a read error, not when the header arrives, for a
+// body lost in transit leaves the caller as ignorant of the outcome as a
+// lost response. A response without a body is delivered whole, so its key
+// is released at once.
+func (c *call) deliver(n int, o outcome) *http.Response {
 	resp := o.resp
 	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
+	if release && resp.StatusCode >= 400 && c.keySentBefore(n) && !replayed(resp.Header) {
+		release = false
+	}
 	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
 		c.linkRedirect(resp)
 	}
@@ -271,8 +293,44 @@ func (c *call) deliver(o outcome) *http.Response {
 			b.t, b.ctx, b.operation, b.key = c.keyOwner(), c.ctx, c.operation, c.opKey
 		}
 		resp.Body = b
+		if w, ok := b.ReadCloser.(io.Writer); ok && resp.StatusCode == http.StatusSwitchingProtocols {
+			resp.Body = upgradedBody{b, w}
+		}
 	}
 	return resp
+}
+
+// upgradedBody is the body of a 101 Switching Protocols response: the
+// connection itself, which net/http hands over as an io.ReadWriteCloser
+// for the caller to speak the new protocol on. Its wrapper keeps Write.
+type upgradedBody struct {
+	*responseBody
+	w io.Writer
+}
+
+func (b upgradedBody) Write(p []byte) (int, error) { return b.w.Write(p) }
+
+// keySentBefore reports whether attempt n carries the operation's key and
+// the key may have reached the server before it: with an earlier attempt
+// of this call, or with an earlier call, which left it pending.
+//
+// A 4xx that answers such an attempt does not end the operation unless the
+// server says it replays the outcome it stored for the key (see replayed).
+// A layer in front of the server's idempotency may have answered without
+// looking at the key (authentication refusing a token that expired since
+// the first attempt, a gateway), and the attempt before may have acted:
+// forgetting the key then would let the next call act again under a new
+// one. Kept pending, the key goes with the next call, and the server
+// replays its outcome.
+func (c *call) keySentBefore(n int) bool {
+	return (n > 1 || c.carried) && c.key == c.opKey
+}
+
+// replayed reports whether a response is the outcome a server stored for
+// the request's idempotency key, replayed, as idemserver and other servers
+// mark it.
+func replayed(h http.Header) bool {
+	return strings.EqualFold(headerValue(h, "Idempotent-Replayed"), "true")
 }
 
 // refused ends a request whose attempt n was refused before it was sent.
@@ -326,6 +384,7 @@ func (c *call) assignKey() error {
 			}
 		}
 		if op, ok := OperationFrom(c.ctx); ok && !linked {
+			candidate := key
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
 				return err
 			}
@@ -334,6 +393,7 @@ func (c *call) assignKey() error {
 				return err
 			}
 			c.operation, c.pending, c.opKey = op, true, key
+			c.carried = key != candidate
 		}
 		c.key = key
 		value := key
@@ -343,6 +403,7 @@ func (c *call) assignKey() error {
 		c.keyValue = value
 	}
 	c.resend = idempotentMethod(c.method) || c.key != ""
+	c.watchBody = !c.resend && c.body.replayable
 	return nil
 }
 
@@ -520,6 +581,10 @@ type outcome struct {
 	cancel  context.CancelFunc // ends ctx; call once resp is not needed
 	elapsed time.Duration
 	unsent  bool // the attempt was not sent: refused, or its body was unavailable
+	// bodyRead: the base transport read the request body, which it does
+	// only once it has a connection to send it on (set only for a call
+	// that watches its body).
+	bodyRead bool
 }
 
 // attempt sends attempt n, which the host's breaker admitted.
@@ -540,10 +605,18 @@ func (c *call) attempt(n int) outcome {
 		o.err, o.unsent = err, true
 		return o
 	}
+	var watch *watchedBody
+	if c.watchBody && body != nil && body != http.NoBody {
+		watch = &watchedBody{ReadCloser: body}
+		body = watch
+	}
 	r := c.attemptRequest(o.ctx, ownCtx)
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
+	if watch != nil {
+		o.bodyRead = watch.read.Load()
+	}
 	if c.t.cfg.observed() {
 		// Only a hook or a logger reads it; a clock reading is not free.
 		o.elapsed = time.Since(c.admitted)
@@ -588,21 +661,37 @@ func headerValue(h http.Header, key string) string {
 // another spelling is the caller's key all the same, and adding a second
 // one beside it would send two. The canonical spelling costs one lookup;
 // the others are looked for only when it holds no key.
+//
+// A blank value (empty, or only spaces and tabs) is no key: a field's value
+// loses its surrounding white space on the way, and the server reads an
+// empty one as no key, so a request sent again on its strength would run
+// again.
 func callerKey(h http.Header, key string) string {
 	if len(h) == 0 {
 		return ""
 	}
-	if v := headerValue(h, key); v != "" {
+	if v := headerValue(h, key); !blank(v) {
 		return v
 	}
 	for k, vv := range h {
 		// Equal lengths first: EqualFold is dearer, and a name of another
 		// length cannot match.
-		if len(k) == len(key) && len(vv) > 0 && vv[0] != "" && strings.EqualFold(k, key) {
+		if len(k) == len(key) && len(vv) > 0 && !blank(vv[0]) && strings.EqualFold(k, key) {
 			return vv[0]
 		}
 	}
 	return ""
+}
+
+// blank reports whether a header field value is empty once the spaces and
+// tabs around it are dropped, as they are on the wire.
+func blank(v string) bool {
+	for i := 0; i < len(v); i++ {
+		if v[i] != ' ' && v[i] != '\t' {
+			return false
+		}
+	}
+	return true
 }
 
 // keyedRequest is an attempt's copy of the caller's request with room for
@@ -683,6 +772,13 @@ func (c *call) decide(n int, o outcome) (Reason, time.Duration) {
 			return ReasonNotRetryable, 0
 		case errTransient:
 			if !c.resend {
+				return ReasonNotRetryable, 0
+			}
+		case errNotSent:
+			// An error that looks like a failed dial proves nothing once
+			// the body has been read: it may be the body's own error,
+			// after the header went out.
+			if !c.resend && o.bodyRead {
 				return ReasonNotRetryable, 0
 			}
 		}

@@ -1,12 +1,14 @@
 package idemhttp
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"net/http/httptrace"
 	"net/url"
 	"reflect"
@@ -729,6 +731,87 @@ func TestCallerKeyKeptWhateverTheSpelling(t *testing.T) {
 				assert.Equal(t, []string{"mine"}, r.Header.Values(tt.wantName), "attempt %d", i+1)
 			}
 			assert.Equal(t, []string{"mine", "mine"}, hooked)
+		})
+	}
+}
+
+// A key field the caller left blank (empty, or only spaces and tabs) reaches
+// the server as an empty value, which a server reads as no key and runs
+// unkeyed. It is no key: a keyed method gets one of the Transport's, and a
+// request of another method is not resent as if it carried one.
+func TestBlankCallerKeyIsNoKey(t *testing.T) {
+	for _, blank := range []string{" ", "\t", " \t "} {
+		t.Run(fmt.Sprintf("%q on POST", blank), func(t *testing.T) {
+			srv := newServer(t, status(503), status(200))
+			req := post(t, context.Background(), srv.URL, "charge")
+			req.Header.Set("Idempotency-Key", blank)
+
+			resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), req)
+
+			assert.Equal(t, 200, resp.StatusCode)
+			got := srv.received()
+			require.Len(t, got, 2)
+			isUUIDv7(t, got[0].Key)
+			assert.Equal(t, got[0].Key, got[1].Key)
+			assert.Equal(t, []string{blank}, req.Header.Values("Idempotency-Key"), "caller's header changed")
+		})
+		t.Run(fmt.Sprintf("%q on an unkeyed method", blank), func(t *testing.T) {
+			srv := newServer(t, status(503), status(200))
+			req, err := http.NewRequest("CHARGE", srv.URL, strings.NewReader("charge"))
+			require.NoError(t, err)
+			req.Header.Set("Idempotency-Key", blank)
+
+			resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), req)
+
+			assert.Equal(t, 503, resp.StatusCode)
+			assert.Equal(t, int32(1), srv.hits.Load(), "an unkeyed request was sent again")
+		})
+	}
+}
+
+// A 101 Switching Protocols response's body is the connection, which
+// net/http hands over as an io.ReadWriteCloser for the caller to speak the
+// new protocol on (WebSocket, h2c). Whatever the Transport wraps it in must
+// still be one.
+func TestUpgradedConnectionStaysWritable(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		conn, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer conn.Close()
+		_, _ = brw.WriteString("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+		_ = brw.Flush()
+		line, _ := brw.ReadString('\n')
+		_, _ = brw.WriteString(line)
+		_ = brw.Flush()
+	}))
+	t.Cleanup(srv.Close)
+	tests := []struct {
+		name string
+		opts []Option
+	}{
+		{"no attempt timeout", nil},
+		{"attempt timeout", []Option{WithAttemptTimeout(time.Minute)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req, err := http.NewRequest(http.MethodGet, srv.URL, nil)
+			require.NoError(t, err)
+			req.Header.Set("Connection", "Upgrade")
+			req.Header.Set("Upgrade", "echo")
+
+			resp, err := NewTransport(newBaseTransport(t), tt.opts...).RoundTrip(req)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			require.Equal(t, http.StatusSwitchingProtocols, resp.StatusCode)
+			conn, ok := resp.Body.(io.ReadWriteCloser)
+			require.True(t, ok, "the body of a 101 is %T, not an io.ReadWriteCloser", resp.Body)
+			_, err = io.WriteString(conn, "ping\n")
+			require.NoError(t, err)
+			line, err := bufio.NewReader(conn).ReadString('\n')
+			require.NoError(t, err)
+			assert.Equal(t, "ping\n", line)
 		})
 	}
 }
