@@ -601,21 +601,43 @@ func testExpiry(t *testing.T, h *harness) {
 	h.expectReplay(kept, f, created)
 
 	// A record is absent from the instant it expires: a claim stamped at
-	// exactly that instant finds it absent. (A store on a clock of its own
-	// sees a claim made after the record expired on that clock.)
+	// exactly that instant finds it absent. The claim is made before any
+	// stamped later, for which a store may drop the expired record, and
+	// would then pass whatever its comparison.
 	atExpiry, marker := idemserver.Key{Key: "at expiry"}, idemserver.Key{Key: "at expiry marker"}
 	expires := time.Now().Add(short)
 	done := h.mustClaim(atExpiry, f, live)
 	require.NoError(t, h.completeOf(context.WithoutCancel(done.ctx), done, created, expires))
-	// The marker expires after the key, whatever the store's clock.
+	claimed, err := h.claimStamped(atExpiry, expires)
+	require.NoError(t, err)
+	if claimed {
+		return
+	}
+	// Kept at its expiry, or judged by a clock of the store's own, which
+	// may not have reached it. A claim stamped an hour later tells them
+	// apart: a store that judges by the claim's time finds the record
+	// absent then.
+	claimed, err = h.claimStamped(atExpiry, expires.Add(live))
+	require.False(t, claimed && err == nil, "a claim stamped at the record's expiry found it live, one stamped later found it absent")
+	// On a clock of its own: the marker expires after the key, whatever
+	// the store's clock, and a claim made after it finds the key absent.
 	require.NoError(t, h.complete(h.mustClaim(marker, f, live), created, short+100*time.Millisecond))
 	h.waitClaimed(marker, f)
-	c := h.newClaim(atExpiry, fp("a different request"), live)
-	c.Now, c.LeaseExpires = expires, expires.Add(live)
-	res, err := h.claimOf(t.Context(), c, false, "")
+	claimed, err = h.claimStamped(atExpiry, expires)
 	require.NoError(t, err)
-	require.True(t, res.Claimed, "a claim stamped at the record's expiry finds it absent; found %+v", res.Record)
-	h.leaseOf(c, res)
+	require.True(t, claimed, "a claim made after the record expired on the store's clock finds it absent")
+}
+
+// claimStamped claims key for a different request, stamped at now, and
+// reports whether the claim won.
+func (h *harness) claimStamped(key idemserver.Key, now time.Time) (bool, error) {
+	c := h.newClaim(key, fp("a different request"), live)
+	c.Now, c.LeaseExpires = now, now.Add(live)
+	res, err := h.claimOf(h.t.Context(), c, false, "")
+	if err == nil {
+		h.leaseOf(c, res)
+	}
+	return res.Claimed, err
 }
 
 func testLeaseExpiry(t *testing.T, h *harness) {
