@@ -437,7 +437,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	}{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
-			fields: bufs.fields, body: bufs.respBody, hold: m.hold},
+			fields: bufs.fields, body: bufs.respBody, hold: m.hold, http1: r.ProtoMajor < 2},
 		lease: leaseKeeper{m: m, key: key, token: token},
 	}
 	rec, lease := &x.rec, &x.lease
