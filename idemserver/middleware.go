@@ -210,7 +210,7 @@ type Event struct {
 }
 
 // ErrHandlerPanicked is reported to the observer, in [Event.Err], when a
-// handler panicked and its claim was released.
+// handler panicked; the claim of a keyed request was released.
 var ErrHandlerPanicked = errors.New("idemserver: handler panicked")
 
 // Wait-in-flight polling intervals, and how many expired leases one
@@ -245,8 +245,7 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			m.observe(Event{Request: r, Outcome: OutcomeRejected, Status: http.StatusBadRequest})
 			return
 		}
-		m.next.ServeHTTP(w, r)
-		m.observe(Event{Request: r, Outcome: OutcomeUnkeyed})
+		m.serveUnkeyed(w, r)
 		return
 	}
 	if len(values) > 1 {
@@ -284,6 +283,24 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, body)
 	m.claim(w, r, key, fp, bufs)
+}
+
+// serveUnkeyed passes a request without a key to the handler and reports
+// it, also when the handler panics.
+func (m *handler) serveUnkeyed(w http.ResponseWriter, r *http.Request) {
+	if m.cfg.observe == nil {
+		m.next.ServeHTTP(w, r)
+		return
+	}
+	returned := false
+	defer func() {
+		if !returned { // panic or runtime.Goexit: report it and let it go on
+			m.observe(Event{Request: r, Outcome: OutcomeUnkeyed, Err: ErrHandlerPanicked})
+		}
+	}()
+	m.next.ServeHTTP(w, r)
+	returned = true
+	m.observe(Event{Request: r, Outcome: OutcomeUnkeyed})
 }
 
 // claim claims key and acts on the answer: run the handler, replay, refuse
