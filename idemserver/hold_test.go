@@ -202,3 +202,54 @@ func TestRetryRequestNeedsAHoldingStore(t *testing.T) {
 	assert.Equal(t, http.StatusServiceUnavailable, w.Code)
 	assert.Equal(t, int64(1), h.calls.Load())
 }
+
+// TestRetryRequestReportsTheEvictionsOfEveryClaim: a claim that dropped a
+// completed record early to make room, and whose attempt the store then
+// discarded, is followed by another claim that drops nothing. The observer
+// must still hear of the dropped record, whose key a retry would run again.
+func TestRetryRequestReportsTheEvictionsOfEveryClaim(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		// second answers the claim that follows the discarded attempt.
+		second  func(s holdingStore, c Claim) (ClaimResult, error)
+		outcome Outcome
+	}{
+		{"rerun executed", nil, OutcomeExecuted},
+		{"rerun refused by a full store", func(holdingStore, Claim) (ClaimResult, error) {
+			return ClaimResult{}, ErrStoreFull
+		}, OutcomeUnavailable},
+		{"rerun finds the key in progress", func(s holdingStore, c Claim) (ClaimResult, error) {
+			return ClaimResult{Record: Record{Fingerprint: c.Fingerprint, Token: "other", LeaseExpires: c.LeaseExpires}}, nil
+		}, OutcomeInProgress},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			// One record fits: the claim of "b" drops the completed "a".
+			store := holdingStore{&stubStore{MemoryStore: NewMemoryStore(WithShards(1), WithMaxEntries(1), WithEvictOldest())}}
+			claims := 0
+			store.claim = func(ctx context.Context, c Claim) (ClaimResult, error) {
+				if claims++; claims == 3 && tt.second != nil {
+					return tt.second(store, c)
+				}
+				return store.MemoryStore.Claim(ctx, c)
+			}
+			discarded := false
+			store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+				if k.Key == "b" && !discarded {
+					discarded = true
+					_ = store.MemoryStore.Release(ctx, k, token)
+					return fmt.Errorf("%w: %w", ErrRolledBack, ErrRetryRequest)
+				}
+				return store.MemoryStore.Complete(ctx, k, token, resp, exp)
+			}
+			var events []Event
+			mw := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(&countingHandler{})
+			serve(mw, newRequest(http.MethodPost, "/x", "a", "b"))
+			serve(mw, newRequest(http.MethodPost, "/x", "b", "b"))
+			require.True(t, discarded, "the first attempt of b was discarded")
+			require.Len(t, events, 2)
+			assert.Equal(t, tt.outcome, events[1].Outcome)
+			require.Len(t, events[1].Evictions, 1, "the record dropped for the discarded attempt is reported")
+			assert.Equal(t, Key{Key: "a"}, events[1].Evictions[0].Key)
+		})
+	}
+}

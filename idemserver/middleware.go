@@ -210,7 +210,7 @@ type Event struct {
 }
 
 // ErrHandlerPanicked is reported to the observer, in [Event.Err], when a
-// handler panicked and its claim was released.
+// handler panicked; the claim of a keyed request was released.
 var ErrHandlerPanicked = errors.New("idemserver: handler panicked")
 
 // Wait-in-flight polling intervals, and how many expired leases one
@@ -245,17 +245,16 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			m.observe(Event{Request: r, Outcome: OutcomeRejected, Status: http.StatusBadRequest})
 			return
 		}
-		m.next.ServeHTTP(w, r)
-		m.observe(Event{Request: r, Outcome: OutcomeUnkeyed})
+		m.serveUnkeyed(w, r)
 		return
 	}
 	if len(values) > 1 {
-		m.reject(w, r, Key{}, ProblemMalformedKey, http.StatusBadRequest, "more than one "+cfg.header+" header")
+		m.reject(w, r, Key{}, ProblemMalformedKey, http.StatusBadRequest, "more than one "+cfg.header+" header", nil)
 		return
 	}
 	raw, err := ParseKey(values[0])
 	if err != nil {
-		m.reject(w, r, Key{}, ProblemMalformedKey, http.StatusBadRequest, err.Error())
+		m.reject(w, r, Key{}, ProblemMalformedKey, http.StatusBadRequest, err.Error(), nil)
 		return
 	}
 	key := Key{Key: raw}
@@ -268,15 +267,15 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case errors.Is(err, errBodyTooLarge):
 		m.reject(w, r, key, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge,
-			"a keyed request body may be at most "+strconv.FormatInt(cfg.maxBody, 10)+" bytes")
+			"a keyed request body may be at most "+strconv.FormatInt(cfg.maxBody, 10)+" bytes", nil)
 		return
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		// The server's read deadline passed while a slow client sent the
 		// body: 408 invites the same request again, 400 would be final.
-		m.reject(w, r, key, ProblemBodyUnreadable, http.StatusRequestTimeout, err.Error())
+		m.reject(w, r, key, ProblemBodyUnreadable, http.StatusRequestTimeout, err.Error(), nil)
 		return
 	case err != nil:
-		m.reject(w, r, key, ProblemBodyUnreadable, http.StatusBadRequest, err.Error())
+		m.reject(w, r, key, ProblemBodyUnreadable, http.StatusBadRequest, err.Error(), nil)
 		return
 	}
 	if body != nil {
@@ -284,6 +283,24 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, body)
 	m.claim(w, r, key, fp, bufs)
+}
+
+// serveUnkeyed passes a request without a key to the handler and reports
+// it, also when the handler panics.
+func (m *handler) serveUnkeyed(w http.ResponseWriter, r *http.Request) {
+	if m.cfg.observe == nil {
+		m.next.ServeHTTP(w, r)
+		return
+	}
+	returned := false
+	defer func() {
+		if !returned { // panic or runtime.Goexit: report it and let it go on
+			m.observe(Event{Request: r, Outcome: OutcomeUnkeyed, Err: ErrHandlerPanicked})
+		}
+	}()
+	m.next.ServeHTTP(w, r)
+	returned = true
+	m.observe(Event{Request: r, Outcome: OutcomeUnkeyed})
 }
 
 // claim claims key and acts on the answer: run the handler, replay, refuse
@@ -308,6 +325,10 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	var waited time.Duration
 	poll := firstPoll
 	takeOvers, reruns := 0, 0
+	// evicted lists the records that the claims of attempts the store
+	// discarded dropped early: they stay dropped, so whatever answers the
+	// request reports them.
+	var evicted []Eviction
 	for {
 		switch {
 		case err != nil:
@@ -316,12 +337,16 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 				detail = "the idempotency store is full; the request was not processed"
 			}
 			writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable, detail, cfg.retryAfter)
-			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err})
+			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: evicted})
 			return
 		case res.Claimed:
+			if evicted != nil {
+				res.Evictions = append(evicted, res.Evictions...)
+			}
 			if m.run(w, r, key, c, sent, &res, bufs, reruns < MaxReruns) {
 				// The store discarded the attempt and asked for another.
 				reruns++
+				evicted = res.Evictions
 				c = newClaim()
 				res, err = m.claimIn(ctx, &c, false, "")
 				continue
@@ -329,7 +354,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			return
 		case res.Record.Fingerprint != fp:
 			m.reject(w, r, key, ProblemFingerprintMismatch, http.StatusUnprocessableEntity,
-				"this idempotency key was used for a request with a different method, path, query or body")
+				"this idempotency key was used for a request with a different method, path, query or body", evicted)
 			return
 		case !res.Response.IsZero():
 			p := res.Response.view()
@@ -340,7 +365,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 				continue
 			}
 			p.replay(w)
-			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReplayed, Status: p.status})
+			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReplayed, Status: p.status, Evictions: evicted})
 			return
 		case !c.Now.Before(res.Record.LeaseExpires) && takeOvers < maxTakeOvers:
 			takeOvers++
@@ -360,7 +385,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		}
 		writeProblem(w, ProblemInProgress, http.StatusConflict,
 			"a request with this idempotency key is in progress; retry later", cfg.retryAfter)
-		m.observe(Event{Request: r, Key: key, Outcome: OutcomeInProgress, Status: http.StatusConflict})
+		m.observe(Event{Request: r, Key: key, Outcome: OutcomeInProgress, Status: http.StatusConflict, Evictions: evicted})
 		return
 	}
 }
@@ -429,7 +454,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	}{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
-			fields: bufs.fields, body: bufs.respBody, hold: m.hold},
+			fields: bufs.fields, body: bufs.respBody, hold: m.hold, http1: r.ProtoMajor < 2},
 		lease: leaseKeeper{m: m, key: key, token: token},
 	}
 	rec, lease := &x.rec, &x.lease
@@ -639,13 +664,15 @@ func ReleasesResponse(status int, h http.Header) bool {
 	return ReleasesStatus(status)
 }
 
-func (m *handler) reject(w http.ResponseWriter, r *http.Request, key Key, typ string, status int, detail string) {
+// reject answers with a problem of type typ and reports it, with the
+// records that claims made for the request dropped early, if any.
+func (m *handler) reject(w http.ResponseWriter, r *http.Request, key Key, typ string, status int, detail string, evicted []Eviction) {
 	writeProblem(w, typ, status, detail, "")
 	outcome := OutcomeRejected
 	if typ == ProblemFingerprintMismatch {
 		outcome = OutcomeMismatch
 	}
-	m.observe(Event{Request: r, Key: key, Outcome: outcome, Status: status})
+	m.observe(Event{Request: r, Key: key, Outcome: outcome, Status: status, Evictions: evicted})
 }
 
 func (m *handler) observe(e Event) {

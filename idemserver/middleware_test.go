@@ -526,6 +526,19 @@ func TestObserver(t *testing.T) {
 	assert.Equal(t, "Outcome(99)", Outcome(99).String())
 }
 
+// The observer hears of every request with a keyed method once, also of
+// one without a key whose handler panicked, before the panic goes on.
+func TestObserverHearsOfUnkeyedPanic(t *testing.T) {
+	var events []Event
+	mw := Middleware(nil, WithObserver(func(e Event) { events = append(events, e) }))(
+		http.HandlerFunc(func(http.ResponseWriter, *http.Request) { panic("boom") }))
+	assert.PanicsWithValue(t, "boom", func() { serve(mw, newRequest(http.MethodPost, "/x", "", "b")) })
+	require.Len(t, events, 1)
+	assert.Equal(t, OutcomeUnkeyed, events[0].Outcome)
+	assert.ErrorIs(t, events[0].Err, ErrHandlerPanicked)
+	assert.Zero(t, events[0].Status)
+}
+
 // Requests served at once, whose buffers are reused from one request to
 // the next, each see their own body and get their own response, also when
 // it is replayed; bodies over the pooled size are among them.

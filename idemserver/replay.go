@@ -71,6 +71,7 @@ type recorder struct {
 	streaming   bool // status and headers have gone to the client
 	tooLarge    bool // the body passed the limit and is not stored
 	hold        bool // never let the response through early; see ResponseHolder
+	http1       bool // the client speaks HTTP/1; see unsniffed
 }
 
 // begin records the fields the header map holds before the handler first
@@ -136,7 +137,28 @@ func (c *recorder) WriteHeader(code int) {
 	c.sentEnd = len(c.fields)
 	if !c.releases {
 		c.fields, c.hasLength = appendReplayable(c.fields, h, c.allow, c.fields[:c.outerEnd])
+		if c.unsniffed(h) {
+			c.fields = appendHeaderField(c.fields, "Content-Type")
+		}
 	}
+}
+
+// unsniffed reports whether net/http sends the response whose fields are h
+// without a Content-Type and without sniffing one from the body: over
+// HTTP/1, when the handler set a Transfer-Encoding and neither a
+// Content-Type nor a Content-Encoding. A replay goes without the
+// Transfer-Encoding, which is never stored, so such a response is stored
+// with a Content-Type without a value, which net/http sends as no field
+// and does not sniff behind. Over HTTP/2, net/http ignores the field and
+// sniffs as usual.
+func (c *recorder) unsniffed(h http.Header) bool {
+	if !c.http1 || !bodyAllowed(c.status) {
+		return false
+	}
+	if _, ok := h["Content-Type"]; ok {
+		return false
+	}
+	return h.Get("Transfer-Encoding") != "" && h.Get("Content-Encoding") == ""
 }
 
 // Write records p, or passes it through once the response is streaming.
@@ -299,11 +321,12 @@ func (c *recorder) writeHeader() {
 // differ. So the recorder sniffs the body recorded so far, as net/http
 // would, and a response flushed before its body has a Content-Type without
 // a value, which net/http sends as no field and does not sniff behind. A
-// response that streams because it is too large to store needs none: its
+// response that net/http sends without sniffing needs none (see unsniffed),
+// and neither does one that streams because it is too large to store: its
 // replay does not carry its body or the fields that describe it.
 func (c *recorder) fixType(h http.Header) {
 	if _, ok := h["Content-Type"]; ok || !bodyAllowed(c.status) ||
-		h.Get("Content-Encoding") != "" || h.Get("Transfer-Encoding") != "" {
+		h.Get("Content-Encoding") != "" || c.unsniffed(h) {
 		return
 	}
 	var typ []string

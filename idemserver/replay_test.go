@@ -892,3 +892,47 @@ func TestFieldsNetHTTPDropsAreNotStored(t *testing.T) {
 		assert.NotContains(t, stored.Header, name)
 	}
 }
+
+// TestTransferEncodingSetByHandlerReplaysItsContentType: over HTTP/1,
+// net/http neither sends nor sniffs a Content-Type for a response whose
+// handler set a Transfer-Encoding and no type; over HTTP/2 it ignores the
+// field and sniffs. A replay, which never carries the hop-by-hop
+// Transfer-Encoding, must get the first response's type (or lack of one)
+// either way, not one sniffed from its body.
+func TestTransferEncodingSetByHandlerReplaysItsContentType(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		handler http.HandlerFunc
+	}{
+		{"chunked", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Transfer-Encoding", "chunked")
+			_, _ = io.WriteString(w, `<html>{"paid":true}`)
+		}},
+		{"identity", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Transfer-Encoding", "identity")
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, `<html>{"paid":true}`)
+		}},
+		{"chunked and flushed", func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Transfer-Encoding", "chunked")
+			_, _ = io.WriteString(w, "  ")
+			w.(http.Flusher).Flush()
+			_, _ = io.WriteString(w, `<html>{"paid":true}`)
+		}},
+	} {
+		for _, http2 := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/http2=%v", tt.name, http2), func(t *testing.T) {
+				srv := httptest.NewUnstartedServer(Middleware(nil)(tt.handler))
+				srv.EnableHTTP2 = http2
+				srv.StartTLS()
+				defer srv.Close()
+				first, _ := postKeyed(t, srv.Client(), srv.URL, "k")
+				replay, body := postKeyed(t, srv.Client(), srv.URL, "k")
+				require.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+				require.Equal(t, http2, first.ProtoMajor == 2)
+				assert.Contains(t, body, `{"paid":true}`)
+				assert.Equal(t, first.Header["Content-Type"], replay.Header["Content-Type"])
+			})
+		}
+	}
+}
