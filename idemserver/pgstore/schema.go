@@ -102,6 +102,7 @@ type statements struct {
 	sweep    string
 	read     string
 	claimTx  string
+	held     string
 }
 
 // newStatements returns the statements over table t.
@@ -182,12 +183,14 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock, taken without
-		// waiting, it inserts the claim; it always returns one row. The
+		// waiting, it inserts the claim; it always returns one row, with
+		// the lock and the process that holds it (see held). The
 		// lock is the key's (see lockID) mixed with the table's oid: a
 		// name without a schema names a different table under each
 		// search_path, and those tables' keys must not share locks.
 		claimTx: r.Replace(`WITH lock AS (
-	SELECT pg_try_advisory_xact_lock($6 # '{table}'::regclass::oid::int8) AS locked
+	SELECT pg_try_advisory_xact_lock(id) AS locked, id, pg_backend_pid() AS pid
+	FROM (SELECT $6 # '{table}'::regclass::oid::int8) AS k (id)
 ), ins AS (
 	INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
 	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second', now() + $7::float8 * interval '1 second'
@@ -195,8 +198,16 @@ WHERE scope = $1 AND key = $2`),
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true AS claimed
 )
-SELECT lock.locked, EXISTS (SELECT FROM ins), ` + rowColumns + `
+SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, ` + rowColumns + `
 FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
+		// held reports whether the process $1 holds the advisory lock
+		// $2 (of a claim in transactional mode), which it does until its
+		// transaction ends. An advisory lock on a bigint shows in
+		// pg_locks as its high and low 32 bits, with objsubid 1.
+		held: `SELECT EXISTS (SELECT FROM pg_locks
+WHERE locktype = 'advisory' AND pid = $1 AND granted AND objsubid = 1
+	AND classid = (($2::int8 >> 32) & 4294967295)::oid AND objid = ($2::int8 & 4294967295)::oid
+	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))`,
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of

@@ -57,6 +57,14 @@
 //     [idemserver.WithWaitInFlight], polls. It never waits on the first
 //     claim's row, and holds no connection between polls; its wait for a
 //     free pool connection is bounded, as every claim's is.
+//   - A claim holds while its transaction is open, however long. Extend
+//     asks, on another pool connection, whether the transaction's server
+//     process still holds the key's advisory lock: once the server ended
+//     the session (idle_in_transaction_session_timeout,
+//     pg_terminate_backend, a restart), the claim is gone and a duplicate
+//     may run, so Extend reports the claim lost and the middleware ends
+//     the handler's context, at the handler's next extension. A check
+//     that cannot be made (no free connection) reports nothing.
 //   - The store implements [idemserver.ResponseHolder]: no part of a
 //     response reaches the client before the commit.
 //   - A serialization failure or deadlock (SQLSTATE 40001, 40P01) in
@@ -540,10 +548,11 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
 	if s.transactional {
 		// The claim holds while its transaction is open, however long.
-		if stateOf(ctx, key, token) == nil {
+		st := stateOf(ctx, key, token)
+		if st == nil {
 			return idemserver.ErrLeaseLost
 		}
-		return nil
+		return s.extendTx(ctx, st)
 	}
 	n, err := execRows(ctx, s.db, s.q.extend, []byte(key.Scope), key.Key, token, seconds(leaseExpires.Sub(s.now())))
 	if err != nil {

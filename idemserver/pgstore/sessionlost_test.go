@@ -1,0 +1,103 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+func TestTransactionalHandlerLearnsItsSessionEnded(t *testing.T) {
+	// The server ends the session of a claim while its handler runs
+	// (pg_terminate_backend here; idle_in_transaction_session_timeout or a
+	// failover do the same): the claim's transaction, and with it the
+	// claim, is gone, and a duplicate may run at once. The handler's
+	// context must end, as it does when a lease is lost, rather than let
+	// it go on acting beside the duplicate.
+	db := newTestDB(t, 2)
+	table := db.newStore(t).table.name
+	cfg, err := pgx.ParseConfig(db.dsn)
+	require.NoError(t, err)
+	cfg.RuntimeParams["search_path"] = db.schema
+	cfg.RuntimeParams["application_name"] = db.schema
+	pool := stdlib.OpenDB(*cfg)
+	pool.SetMaxOpenConns(2)
+	t.Cleanup(func() { _ = pool.Close() })
+	store, err := New(pool, WithTable(table), WithTransactional())
+	require.NoError(t, err)
+
+	claimed := make(chan struct{})
+	ended := make(chan error, 1)
+	h := idemserver.Middleware(store, idemserver.WithLease(300*time.Millisecond))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var pid int
+		if !assert.NoError(t, Tx(r.Context()).QueryRowContext(r.Context(), "SELECT pg_backend_pid()").Scan(&pid)) {
+			return
+		}
+		var ok bool
+		if !assert.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1)", pid).Scan(&ok)) || !assert.True(t, ok) {
+			return
+		}
+		close(claimed)
+		select {
+		case <-r.Context().Done():
+			ended <- context.Cause(r.Context())
+		case <-time.After(10 * time.Second):
+			ended <- errors.New("the handler's context did not end")
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+	done := make(chan int)
+	go func() {
+		status, _, _ := post(h, "k")
+		done <- status
+	}()
+	<-claimed
+	err = <-ended
+	require.ErrorIs(t, err, idemserver.ErrLeaseLost)
+	assert.Equal(t, http.StatusServiceUnavailable, <-done)
+}
+
+func TestTransactionalExtendHoldsWhileTheTransactionIsOpen(t *testing.T) {
+	// Extend reports a claim lost only when its transaction is known to
+	// have ended: not while it is open, however long, and not when the
+	// check cannot be made because the claims hold every pool connection.
+	db := newTestDB(t, 1)
+	s := db.newStore(t, WithTransactional(), WithPoolWait(50*time.Millisecond))
+	c := testClaim("k", time.Minute)
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	ctx := res.Context
+	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(ctx), c.Key, c.Token) })
+
+	// The claim holds the pool's one connection: the check finds none.
+	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+
+	db.SetMaxOpenConns(2)
+	for range 3 {
+		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+	}
+	// Another key's claim holds another lock.
+	other := testClaim("other", time.Minute)
+	res2, err := s.Claim(t.Context(), other)
+	require.NoError(t, err)
+	require.True(t, res2.Claimed)
+	require.NoError(t, s.Release(res2.Context, other.Key, other.Token))
+	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+
+	var pid int
+	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	_, err = db.ExecContext(t.Context(), "SELECT pg_terminate_backend($1)", pid)
+	require.NoError(t, err)
+	assert.Eventually(t, func() bool {
+		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+	}, 10*time.Second, time.Millisecond, "the claim's session ended")
+}
