@@ -72,22 +72,28 @@ func checkIdentifier(s string) error {
 // quoted returns the table's name as it appears in SQL.
 func (t tableName) quoted() string {
 	if t.schema == "" {
-		return `"` + t.name + `"`
+		return quoteIdent(t.name)
 	}
-	return `"` + t.schema + `"."` + t.name + `"`
+	return quoteIdent(t.schema) + "." + quoteIdent(t.name)
 }
 
 // index returns the quoted name of the sweep index; an index lives in its
 // table's schema.
-func (t tableName) index() string { return `"` + t.name + `_sweep_at"` }
+func (t tableName) index() string { return quoteIdent(t.name + "_sweep_at") }
 
 // oldIndex returns the quoted name, with its schema, of the earlier
 // schema's expiry index.
 func (t tableName) oldIndex() string {
 	if t.schema == "" {
-		return `"` + t.name + `_expires_at"`
+		return quoteIdent(t.name + "_expires_at")
 	}
-	return `"` + t.schema + `"."` + t.name + `_expires_at"`
+	return quoteIdent(t.schema) + "." + quoteIdent(t.name+"_expires_at")
+}
+
+// quoteIdent quotes an identifier for SQL. Names given to WithTable hold no
+// quote; a schema that Migrate finds in the catalog may.
+func quoteIdent(s string) string {
+	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
 }
 
 // statements holds the SQL of one table.
@@ -292,14 +298,15 @@ func (s *Store) Migrate(ctx context.Context) error {
 	// no sweep_at; a current one has sweep_at and its index. A table that
 	// lacks one of earlierColumns is not the store's, and is left alone.
 	var exists, hasSweepAt, hasIndex bool
-	var missing sql.NullString
+	var missing, schema sql.NullString
 	if err := tx.QueryRowContext(ctx, `SELECT
 	to_regclass($1) IS NOT NULL,
+	(SELECT nspname FROM pg_class JOIN pg_namespace ON pg_namespace.oid = relnamespace WHERE pg_class.oid = to_regclass($1)),
 	(SELECT string_agg(name, ', ') FROM unnest($3::text[]) AS name
 		WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = name AND NOT attisdropped)),
 	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped),
 	EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass($1) AND c.relname = $2)`,
-		s.table.quoted(), s.table.name+"_sweep_at", earlierColumns).Scan(&exists, &missing, &hasSweepAt, &hasIndex); err != nil {
+		s.table.quoted(), s.table.name+"_sweep_at", earlierColumns).Scan(&exists, &schema, &missing, &hasSweepAt, &hasIndex); err != nil {
 		return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
 	}
 	if exists && missing.Valid {
@@ -319,9 +326,18 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '`+migrateLockTimeout+`'`); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
-	stmts := s.q.ddl
+	// The statements name the schema of the table found: without one,
+	// CREATE TABLE IF NOT EXISTS looks in the first schema of the
+	// search_path only, and a table found in a later one would get, in
+	// the first, an empty twin that hides it, and every record in it, from
+	// every statement after.
+	q := s.q
+	if exists && s.table.schema == "" {
+		q = newStatements(tableName{schema: schema.String, name: s.table.name})
+	}
+	stmts := q.ddl
 	if earlier {
-		stmts = s.q.upgrade
+		stmts = q.upgrade
 	}
 	for _, q := range stmts {
 		if _, err := tx.ExecContext(ctx, q); err != nil {
