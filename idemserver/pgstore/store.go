@@ -93,7 +93,15 @@
 // runs that statement inside a SAVEPOINT and rolls back to it first. The
 // handler must not commit or roll back Tx itself; one that commits it and
 // then answers 5xx or panics has its committed claim deleted by the
-// release, so that a retry runs again. The transaction has the database's
+// release, so that a retry runs again. Nor does it send COMMIT, ROLLBACK
+// or END as SQL through Tx, which the store cannot see: its later
+// statements would each commit on their own, outside the claim's
+// transaction, and a claim rolled back so is run again by every retry,
+// with those statements. The handler's SET and set_config also outlive
+// the request on its pool connection once the transaction commits: use
+// SET LOCAL (or set_config's is_local), or reset the connection in the
+// driver's hook for a connection returned to the pool (pgx's
+// stdlib.OptionResetSession). The transaction has the database's
 // default isolation level. The advisory locks are 64-bit hashes of the
 // table (its oid, whatever schema it is found in), scope and key, in the
 // database's one advisory lock space. A table
