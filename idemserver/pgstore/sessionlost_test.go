@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -22,16 +20,8 @@ func TestTransactionalHandlerLearnsItsSessionEnded(t *testing.T) {
 	// claim, is gone, and a duplicate may run at once. The handler's
 	// context must end, as it does when a lease is lost, rather than let
 	// it go on acting beside the duplicate.
-	db := newTestDB(t, 2)
-	table := db.newStore(t).table.name
-	cfg, err := pgx.ParseConfig(db.dsn)
-	require.NoError(t, err)
-	cfg.RuntimeParams["search_path"] = db.schema
-	cfg.RuntimeParams["application_name"] = db.schema
-	pool := stdlib.OpenDB(*cfg)
-	pool.SetMaxOpenConns(2)
-	t.Cleanup(func() { _ = pool.Close() })
-	store, err := New(pool, WithTable(table), WithTransactional())
+	db := newTestDB(t, 1)
+	store, err := New(db.open(t, 2), WithTable(db.newStore(t).table.name), WithTransactional())
 	require.NoError(t, err)
 
 	claimed := make(chan struct{})
