@@ -22,11 +22,8 @@ import (
 // in both modes: in transactional mode Sweep runs beside claims that are
 // open transactions, some of them replacing an expired row.
 func TestClaimExclusiveUnderChurn(t *testing.T) {
-	for _, tt := range []struct {
-		name string
-		opts []Option
-	}{{"lease", nil}, {"transactional", []Option{WithTransactional()}}} {
-		t.Run(tt.name, func(t *testing.T) { claimUnderChurn(t, tt.opts...) })
+	for _, mode := range modes {
+		t.Run(mode.name, func(t *testing.T) { claimUnderChurn(t, mode.opts...) })
 	}
 }
 
