@@ -206,14 +206,17 @@ WHERE scope = $1 AND key = $2`),
 )
 SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, ` + rowColumns + `
 FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
-		// held reports whether the process $1 holds the advisory lock
-		// $2 (of a claim in transactional mode), which it does until its
-		// transaction ends. An advisory lock on a bigint shows in
-		// pg_locks as its high and low 32 bits, with objsubid 1.
-		held: `SELECT EXISTS (SELECT FROM pg_locks
+		// held reports whether a claim of transactional mode still
+		// holds its key: whether the process $1 holds the advisory lock
+		// $2, which it does until its transaction ends, or else the
+		// claim's row, with its token $5, committed (by a handler that
+		// committed the transaction itself). An advisory lock on a bigint
+		// shows in pg_locks as its high and low 32 bits, with objsubid 1.
+		held: r.Replace(`SELECT EXISTS (SELECT FROM pg_locks
 WHERE locktype = 'advisory' AND pid = $1 AND granted AND objsubid = 1
 	AND classid = (($2::int8 >> 32) & 4294967295)::oid AND objid = ($2::int8 & 4294967295)::oid
-	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))`,
+	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+OR EXISTS (SELECT FROM {table} WHERE scope = $3 AND key = $4 AND token = $5)`),
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of

@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"net/http"
 	"testing"
@@ -90,4 +91,69 @@ func TestTransactionalExtendHoldsWhileTheTransactionIsOpen(t *testing.T) {
 	assert.Eventually(t, func() bool {
 		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
 	}, 10*time.Second, time.Millisecond, "the claim's session ended")
+}
+
+// extendsSeen is a Store that sends the error of each Extend to extends.
+type extendsSeen struct {
+	*Store
+	extends chan error
+}
+
+func (s extendsSeen) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
+	err := s.Store.Extend(ctx, key, token, leaseExpires)
+	select {
+	case s.extends <- err:
+	default:
+	}
+	return err
+}
+
+func TestTransactionalHandlerThatEndsTxItselfKeepsRunning(t *testing.T) {
+	// A handler that ends the transaction itself, against Tx's contract,
+	// and runs on: one that committed still holds its key by the claim's
+	// committed row, and its context must not end (a handler cut short
+	// would answer 5xx, and the release would let a retry run its
+	// committed work again); one that rolled back lost its claim, and its
+	// context ends.
+	for _, tt := range []struct {
+		name   string
+		end    func(*sql.Tx) error
+		lost   bool
+		status int
+	}{
+		{"committed", (*sql.Tx).Commit, false, http.StatusCreated},
+		{"rolled back", (*sql.Tx).Rollback, true, http.StatusServiceUnavailable},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			s := extendsSeen{Store: db.newStore(t, WithTransactional()), extends: make(chan error)}
+			h := idemserver.Middleware(s, idemserver.WithLease(300*time.Millisecond))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if !assert.NoError(t, tt.end(Tx(r.Context()))) {
+					return
+				}
+				if tt.lost {
+					select {
+					case <-r.Context().Done():
+						assert.ErrorIs(t, context.Cause(r.Context()), idemserver.ErrLeaseLost)
+					case <-time.After(10 * time.Second):
+						t.Error("the handler's context did not end")
+					}
+				} else {
+				extensions:
+					for range 3 {
+						select {
+						case err := <-s.extends:
+							assert.NoError(t, err)
+						case <-r.Context().Done():
+							t.Errorf("the handler's context ended: %v", context.Cause(r.Context()))
+							break extensions
+						}
+					}
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			status, body, _ := post(h, "k")
+			assert.Equal(t, tt.status, status, body)
+		})
+	}
 }

@@ -59,7 +59,8 @@
 //     free pool connection is bounded, as every claim's is.
 //   - A claim holds while its transaction is open, however long. Extend
 //     asks, on another pool connection, whether the transaction's server
-//     process still holds the key's advisory lock: once the server ended
+//     process still holds the key's advisory lock (or the claim's row was
+//     committed, by a handler that committed Tx itself): once the server ended
 //     the session (idle_in_transaction_session_timeout,
 //     pg_terminate_backend, a restart), the claim is gone and a duplicate
 //     may run, so Extend reports the claim lost and the middleware ends

@@ -30,9 +30,8 @@ func WithTransactional() Option {
 // commits it anyway, Complete stores the response after that commit, not
 // atomically with it, and Release deletes the committed claim, so that a
 // retry runs again; if it rolls back, Complete reports the rollback, and
-// Release has nothing to do. Either way the transaction no longer holds
-// the claim, so a handler still running at its next extension has its
-// context ended; see Extend.)
+// Release has nothing to do, and the claim is gone: a handler still
+// running at its next extension has its context ended, see Extend.)
 func Tx(ctx context.Context) *sql.Tx {
 	if st, _ := ctx.Value(txKey{}).(*txState); st != nil {
 		return st.tx
@@ -272,14 +271,16 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 // duplicate may run at once. The claim's own connection is not asked: the
 // handler may be using it, and a statement there would count as activity
 // against idle_in_transaction_session_timeout. Another connection asks
-// whether the claim's server process still holds the key's advisory lock.
-// Only that answer reports the claim lost: a check that cannot be made (no
-// free pool connection within the store's bound, a failure) reports
-// nothing, since a claim, unlike a lease, does not end with time.
+// whether the claim's server process still holds the key's advisory lock,
+// or else the claim's row was committed, by a handler that committed the
+// transaction itself (against Tx's contract; its claim still holds the
+// key). Only that answer reports the claim lost: a check that cannot be
+// made (no free pool connection within the store's bound, a failure)
+// reports nothing, since a claim, unlike a lease, does not end with time.
 func (s *Store) extendTx(ctx context.Context, st *txState) error {
 	var held bool
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
-		err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock).Scan(&held)
+		err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, []byte(st.key.Scope), st.key.Key, st.token).Scan(&held)
 		_ = conn.Close()
 		return err
 	})
