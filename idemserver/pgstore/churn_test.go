@@ -18,10 +18,18 @@ import (
 // TestClaimExclusiveUnderChurn runs the read-first claim against
 // every statement that deletes or replaces a key's row (Release, a Complete
 // whose record expires at once and is then replaced, takeovers of expired
-// leases, Sweep) and checks that no two requests ever hold one key at once.
+// leases, Sweep) and checks that no two requests ever hold one key at once,
+// in both modes: in transactional mode Sweep runs beside claims that are
+// open transactions, some of them replacing an expired row.
 func TestClaimExclusiveUnderChurn(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(mode.name, func(t *testing.T) { claimUnderChurn(t, mode.opts...) })
+	}
+}
+
+func claimUnderChurn(t *testing.T, opts ...Option) {
 	db := newTestDB(t, 12)
-	s := db.newStore(t)
+	s := db.newStore(t, opts...)
 	const (
 		workers = 8
 		keys    = 400
@@ -81,13 +89,21 @@ func TestClaimExclusiveUnderChurn(t *testing.T) {
 				}
 				time.Sleep(100 * time.Microsecond)
 				holders[k].Add(-1)
+				cctx := ctx // a transactional claim's own context
+				if res.Context != nil {
+					cctx = res.Context
+				}
 				switch i % 3 {
 				case 0:
-					err = s.Release(ctx, c.Key, c.Token)
+					err = s.Release(cctx, c.Key, c.Token)
 				case 1: // kept for no time: expired at once, then replaced
-					err = s.Complete(ctx, c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now())
+					err = s.Complete(cctx, c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now())
 				case 2: // a lease that ends at once, left to be taken over
-					err = s.Extend(ctx, c.Key, c.Token, time.Now())
+					err = s.Extend(cctx, c.Key, c.Token, time.Now())
+					if s.transactional && err == nil {
+						// The claim holds until its transaction ends.
+						err = s.Release(cctx, c.Key, c.Token)
+					}
 				}
 				if err != nil {
 					errs <- err

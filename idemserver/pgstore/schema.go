@@ -72,22 +72,28 @@ func checkIdentifier(s string) error {
 // quoted returns the table's name as it appears in SQL.
 func (t tableName) quoted() string {
 	if t.schema == "" {
-		return `"` + t.name + `"`
+		return quoteIdent(t.name)
 	}
-	return `"` + t.schema + `"."` + t.name + `"`
+	return quoteIdent(t.schema) + "." + quoteIdent(t.name)
 }
 
 // index returns the quoted name of the sweep index; an index lives in its
 // table's schema.
-func (t tableName) index() string { return `"` + t.name + `_sweep_at"` }
+func (t tableName) index() string { return quoteIdent(t.name + "_sweep_at") }
 
 // oldIndex returns the quoted name, with its schema, of the earlier
 // schema's expiry index.
 func (t tableName) oldIndex() string {
 	if t.schema == "" {
-		return `"` + t.name + `_expires_at"`
+		return quoteIdent(t.name + "_expires_at")
 	}
-	return `"` + t.schema + `"."` + t.name + `_expires_at"`
+	return quoteIdent(t.schema) + "." + quoteIdent(t.name+"_expires_at")
+}
+
+// quoteIdent quotes an identifier for SQL. Names given to WithTable hold no
+// quote; a schema that Migrate finds in the catalog may.
+func quoteIdent(s string) string {
+	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
 }
 
 // statements holds the SQL of one table.
@@ -102,6 +108,7 @@ type statements struct {
 	sweep    string
 	read     string
 	claimTx  string
+	held     string
 }
 
 // newStatements returns the statements over table t.
@@ -182,12 +189,14 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock, taken without
-		// waiting, it inserts the claim; it always returns one row. The
+		// waiting, it inserts the claim; it always returns one row, with
+		// the lock and the process that holds it (see held). The
 		// lock is the key's (see lockID) mixed with the table's oid: a
 		// name without a schema names a different table under each
 		// search_path, and those tables' keys must not share locks.
 		claimTx: r.Replace(`WITH lock AS (
-	SELECT pg_try_advisory_xact_lock($6 # '{table}'::regclass::oid::int8) AS locked
+	SELECT pg_try_advisory_xact_lock(id) AS locked, id, pg_backend_pid() AS pid
+	FROM (SELECT $6 # '{table}'::regclass::oid::int8) AS k (id)
 ), ins AS (
 	INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
 	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second', now() + $7::float8 * interval '1 second'
@@ -195,8 +204,19 @@ WHERE scope = $1 AND key = $2`),
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true AS claimed
 )
-SELECT lock.locked, EXISTS (SELECT FROM ins), ` + rowColumns + `
+SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, ` + rowColumns + `
 FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
+		// held reports whether a claim of transactional mode still
+		// holds its key: whether the process $1 holds the advisory lock
+		// $2, which it does until its transaction ends, or else the
+		// claim's row, with its token $5, committed (by a handler that
+		// committed the transaction itself). An advisory lock on a bigint
+		// shows in pg_locks as its high and low 32 bits, with objsubid 1.
+		held: r.Replace(`SELECT EXISTS (SELECT FROM pg_locks
+WHERE locktype = 'advisory' AND pid = $1 AND granted AND objsubid = 1
+	AND classid = (($2::int8 >> 32) & 4294967295)::oid AND objid = ($2::int8 & 4294967295)::oid
+	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+OR EXISTS (SELECT FROM {table} WHERE scope = $3 AND key = $4 AND token = $5)`),
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of
@@ -281,14 +301,15 @@ func (s *Store) Migrate(ctx context.Context) error {
 	// no sweep_at; a current one has sweep_at and its index. A table that
 	// lacks one of earlierColumns is not the store's, and is left alone.
 	var exists, hasSweepAt, hasIndex bool
-	var missing sql.NullString
+	var missing, schema sql.NullString
 	if err := tx.QueryRowContext(ctx, `SELECT
 	to_regclass($1) IS NOT NULL,
+	(SELECT nspname FROM pg_class JOIN pg_namespace ON pg_namespace.oid = relnamespace WHERE pg_class.oid = to_regclass($1)),
 	(SELECT string_agg(name, ', ') FROM unnest($3::text[]) AS name
 		WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = name AND NOT attisdropped)),
 	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped),
 	EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass($1) AND c.relname = $2)`,
-		s.table.quoted(), s.table.name+"_sweep_at", earlierColumns).Scan(&exists, &missing, &hasSweepAt, &hasIndex); err != nil {
+		s.table.quoted(), s.table.name+"_sweep_at", earlierColumns).Scan(&exists, &schema, &missing, &hasSweepAt, &hasIndex); err != nil {
 		return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
 	}
 	if exists && missing.Valid {
@@ -308,9 +329,18 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '`+migrateLockTimeout+`'`); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
-	stmts := s.q.ddl
+	// The statements name the schema of the table found: without one,
+	// CREATE TABLE IF NOT EXISTS looks in the first schema of the
+	// search_path only, and a table found in a later one would get, in
+	// the first, an empty twin that hides it, and every record in it, from
+	// every statement after.
+	q := s.q
+	if exists && s.table.schema == "" {
+		q = newStatements(tableName{schema: schema.String, name: s.table.name})
+	}
+	stmts := q.ddl
 	if earlier {
-		stmts = s.q.upgrade
+		stmts = q.upgrade
 	}
 	for _, q := range stmts {
 		if _, err := tx.ExecContext(ctx, q); err != nil {

@@ -13,6 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 func TestWithTable(t *testing.T) {
@@ -268,4 +270,49 @@ WHERE locktype = 'advisory' AND NOT granted AND objid = $1::bigint & x'ffffffff'
 			assert.True(t, res.Claimed)
 		})
 	}
+}
+
+func TestMigrateCompletesTheTableItFinds(t *testing.T) {
+	// The search_path names two schemas, and the store's table, without
+	// its sweep index, is in the second: the first is where CREATE TABLE
+	// puts a table without a schema. Migrate must add the index to the
+	// table the store uses, not create another, empty one in the first
+	// schema that hides it, and every record in it with it, from then on.
+	db := newTestDB(t, 2)
+	later := db.schema + "_later"
+	_, err := db.ExecContext(t.Context(), "CREATE SCHEMA "+later)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP SCHEMA "+later+" CASCADE") })
+	_, err = db.ExecContext(t.Context(), strings.ReplaceAll(strings.ReplaceAll(createTable, "{table}", later+".keys"), "IF NOT EXISTS ", ""))
+	require.NoError(t, err)
+
+	cfg, err := pgx.ParseConfig(db.dsn)
+	require.NoError(t, err)
+	cfg.RuntimeParams["search_path"] = db.schema + ", " + later
+	pool := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { _ = pool.Close() })
+	s, err := New(pool, WithTable("keys"))
+	require.NoError(t, err)
+	c := testClaim("k", time.Hour)
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	require.NoError(t, s.Complete(t.Context(), c.Key, c.Token, &idemserver.Response{Status: 201}, time.Now().Add(time.Hour)))
+
+	require.NoError(t, s.Migrate(t.Context()))
+	var tables int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM pg_tables WHERE tablename = 'keys' AND schemaname IN ($1, $2)",
+		db.schema, later).Scan(&tables))
+	assert.Equal(t, 1, tables, "Migrate made a second table")
+	var indexes int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'keys' AND indexname = 'keys_sweep_at'",
+		later).Scan(&indexes))
+	assert.Equal(t, 1, indexes, "the table's sweep index")
+
+	c2 := testClaim("k", time.Hour)
+	c2.Token = "another"
+	res, err = s.Claim(t.Context(), c2)
+	require.NoError(t, err)
+	assert.False(t, res.Claimed, "the key's record was forgotten")
+	assert.Equal(t, 201, res.Record.Response.Status)
 }

@@ -57,6 +57,15 @@
 //     [idemserver.WithWaitInFlight], polls. It never waits on the first
 //     claim's row, and holds no connection between polls; its wait for a
 //     free pool connection is bounded, as every claim's is.
+//   - A claim holds while its transaction is open, however long. Extend
+//     asks, on another pool connection, whether the transaction's server
+//     process still holds the key's advisory lock (or the claim's row was
+//     committed, by a handler that committed Tx itself): once the server ended
+//     the session (idle_in_transaction_session_timeout,
+//     pg_terminate_backend, a restart), the claim is gone and a duplicate
+//     may run, so Extend reports the claim lost and the middleware ends
+//     the handler's context, at the handler's next extension. A check
+//     that cannot be made (no free connection) reports nothing.
 //   - The store implements [idemserver.ResponseHolder]: no part of a
 //     response reaches the client before the commit.
 //   - A serialization failure or deadlock (SQLSTATE 40001, 40P01) in
@@ -85,7 +94,15 @@
 // runs that statement inside a SAVEPOINT and rolls back to it first. The
 // handler must not commit or roll back Tx itself; one that commits it and
 // then answers 5xx or panics has its committed claim deleted by the
-// release, so that a retry runs again. The transaction has the database's
+// release, so that a retry runs again. Nor does it send COMMIT, ROLLBACK
+// or END as SQL through Tx, which the store cannot see: its later
+// statements would each commit on their own, outside the claim's
+// transaction, and a claim rolled back so is run again by every retry,
+// with those statements. The handler's SET and set_config also outlive
+// the request on its pool connection once the transaction commits: use
+// SET LOCAL (or set_config's is_local), or reset the connection in the
+// driver's hook for a connection returned to the pool (pgx's
+// stdlib.OptionResetSession). The transaction has the database's
 // default isolation level. The advisory locks are 64-bit hashes of the
 // table (its oid, whatever schema it is found in), scope and key, in the
 // database's one advisory lock space. A table
@@ -540,10 +557,11 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
 	if s.transactional {
 		// The claim holds while its transaction is open, however long.
-		if stateOf(ctx, key, token) == nil {
+		st := stateOf(ctx, key, token)
+		if st == nil {
 			return idemserver.ErrLeaseLost
 		}
-		return nil
+		return s.extendTx(ctx, st)
 	}
 	n, err := execRows(ctx, s.db, s.q.extend, []byte(key.Scope), key.Key, token, seconds(leaseExpires.Sub(s.now())))
 	if err != nil {

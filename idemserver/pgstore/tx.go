@@ -30,7 +30,8 @@ func WithTransactional() Option {
 // commits it anyway, Complete stores the response after that commit, not
 // atomically with it, and Release deletes the committed claim, so that a
 // retry runs again; if it rolls back, Complete reports the rollback, and
-// Release has nothing to do.)
+// Release has nothing to do, and the claim is gone: a handler still
+// running at its next extension has its context ended, see Extend.)
 func Tx(ctx context.Context) *sql.Tx {
 	if st, _ := ctx.Value(txKey{}).(*txState); st != nil {
 		return st.tx
@@ -71,6 +72,8 @@ type txState struct {
 	tx    *sql.Tx
 	key   idemserver.Key
 	token string
+	pid   int64       // the server process of the transaction
+	lock  int64       // the key's advisory lock, which the transaction holds
 	rerun atomic.Bool // the handler asked for a rerun
 	ended atomic.Bool // committed or rolled back
 }
@@ -172,7 +175,7 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			r           row
 		)
 		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
-			Scan(append([]any{&locked, &won}, r.dest()...)...)
+			Scan(append([]any{&locked, &won, &st.pid, &st.lock}, r.dest()...)...)
 		switch {
 		case err == nil && won:
 			return claimed(st)
@@ -259,6 +262,32 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 	}
 	var sum [sha256.Size]byte
 	return int64(binary.BigEndian.Uint64(h.Sum(sum[:0])))
+}
+
+// extendTx reports whether the claim's transaction is still open, as
+// Extend does for a lease: it is not once the server ended its session
+// (idle_in_transaction_session_timeout, pg_terminate_backend, a restart or
+// failover), which ended the transaction, and with it the claim, so that a
+// duplicate may run at once. The claim's own connection is not asked: the
+// handler may be using it, and a statement there would count as activity
+// against idle_in_transaction_session_timeout. Another connection asks
+// whether the claim's server process still holds the key's advisory lock,
+// or else the claim's row was committed, by a handler that committed the
+// transaction itself (against Tx's contract; its claim still holds the
+// key). Only that answer reports the claim lost: a check that cannot be
+// made (no free pool connection within the store's bound, a failure)
+// reports nothing, since a claim, unlike a lease, does not end with time.
+func (s *Store) extendTx(ctx context.Context, st *txState) error {
+	var held bool
+	err := s.onConn(ctx, func(conn *sql.Conn) error {
+		err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, []byte(st.key.Scope), st.key.Key, st.token).Scan(&held)
+		_ = conn.Close()
+		return err
+	})
+	if err == nil && !held {
+		return fmt.Errorf("pgstore: the claim's transaction ended: %w", idemserver.ErrLeaseLost)
+	}
+	return nil
 }
 
 // completeTx stores resp in the claim's transaction and commits it.

@@ -48,15 +48,24 @@ func countKeys(t *testing.T, db *testDB, s *Store) int {
 func TestTransactionalAllOrNothing(t *testing.T) {
 	for _, tt := range []struct {
 		name     string
-		after    func(w http.ResponseWriter) // after the payment was recorded
+		after    func(w http.ResponseWriter, r *http.Request) // after the payment was recorded
 		payments int
 		kept     bool
+		status   int // the client's; 0 for a panic
 	}{
-		{"stored", func(w http.ResponseWriter) { w.WriteHeader(http.StatusCreated) }, 1, true},
-		{"client error stored", func(w http.ResponseWriter) { w.WriteHeader(http.StatusConflict) }, 1, true},
-		{"server error rolls back", func(w http.ResponseWriter) { w.WriteHeader(http.StatusBadGateway) }, 0, false},
-		{"429 rolls back", func(w http.ResponseWriter) { w.WriteHeader(http.StatusTooManyRequests) }, 0, false},
-		{"panic rolls back", func(http.ResponseWriter) { panic(http.ErrAbortHandler) }, 0, false},
+		{"stored", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusCreated) }, 1, true, http.StatusCreated},
+		{"client error stored", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusConflict) }, 1, true, http.StatusConflict},
+		{"server error rolls back", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusBadGateway) }, 0, false, http.StatusBadGateway},
+		{"429 rolls back", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusTooManyRequests) }, 0, false, http.StatusTooManyRequests},
+		{"panic rolls back", func(http.ResponseWriter, *http.Request) { panic(http.ErrAbortHandler) }, 0, false, 0},
+		// A statement that failed aborted the transaction: a success
+		// answered after it is not stored, and the client learns that
+		// nothing was kept.
+		{"success after a failed statement rolls back", func(w http.ResponseWriter, r *http.Request) {
+			_, err := Tx(r.Context()).ExecContext(r.Context(), "SELECT 1/0")
+			assert.Error(t, err)
+			w.WriteHeader(http.StatusCreated)
+		}, 0, false, http.StatusServiceUnavailable},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			db := newTestDB(t, 4)
@@ -66,12 +75,14 @@ func TestTransactionalAllOrNothing(t *testing.T) {
 			h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				_, err := Tx(r.Context()).ExecContext(r.Context(), "INSERT INTO payments (key) VALUES ('k')")
 				require.NoError(t, err)
-				tt.after(w)
+				tt.after(w, r)
 			}))
+			status := 0
 			func() {
 				defer func() { _ = recover() }()
-				post(h, "k")
+				status, _, _ = post(h, "k")
 			}()
+			assert.Equal(t, tt.status, status)
 			assert.Equal(t, tt.payments, countPayments(t, db.DB, "k"))
 			want := 0
 			if tt.kept {

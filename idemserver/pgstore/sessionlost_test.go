@@ -1,0 +1,159 @@
+package pgstore
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+func TestTransactionalHandlerLearnsItsSessionEnded(t *testing.T) {
+	// The server ends the session of a claim while its handler runs
+	// (pg_terminate_backend here; idle_in_transaction_session_timeout or a
+	// failover do the same): the claim's transaction, and with it the
+	// claim, is gone, and a duplicate may run at once. The handler's
+	// context must end, as it does when a lease is lost, rather than let
+	// it go on acting beside the duplicate.
+	db := newTestDB(t, 1)
+	store, err := New(db.open(t, 2), WithTable(db.newStore(t).table.name), WithTransactional())
+	require.NoError(t, err)
+
+	claimed := make(chan struct{})
+	ended := make(chan error, 1)
+	h := idemserver.Middleware(store, idemserver.WithLease(300*time.Millisecond))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var pid int
+		if !assert.NoError(t, Tx(r.Context()).QueryRowContext(r.Context(), "SELECT pg_backend_pid()").Scan(&pid)) {
+			return
+		}
+		var ok bool
+		if !assert.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1)", pid).Scan(&ok)) || !assert.True(t, ok) {
+			return
+		}
+		close(claimed)
+		select {
+		case <-r.Context().Done():
+			ended <- context.Cause(r.Context())
+		case <-time.After(10 * time.Second):
+			ended <- errors.New("the handler's context did not end")
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+	done := make(chan int)
+	go func() {
+		status, _, _ := post(h, "k")
+		done <- status
+	}()
+	<-claimed
+	err = <-ended
+	require.ErrorIs(t, err, idemserver.ErrLeaseLost)
+	assert.Equal(t, http.StatusServiceUnavailable, <-done)
+}
+
+func TestTransactionalExtendHoldsWhileTheTransactionIsOpen(t *testing.T) {
+	// Extend reports a claim lost only when its transaction is known to
+	// have ended: not while it is open, however long, and not when the
+	// check cannot be made because the claims hold every pool connection.
+	db := newTestDB(t, 1)
+	s := db.newStore(t, WithTransactional(), WithPoolWait(50*time.Millisecond))
+	c := testClaim("k", time.Minute)
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	ctx := res.Context
+	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(ctx), c.Key, c.Token) })
+
+	// The claim holds the pool's one connection: the check finds none.
+	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+
+	db.SetMaxOpenConns(2)
+	for range 3 {
+		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+	}
+	// Another key's claim holds another lock.
+	other := testClaim("other", time.Minute)
+	res2, err := s.Claim(t.Context(), other)
+	require.NoError(t, err)
+	require.True(t, res2.Claimed)
+	require.NoError(t, s.Release(res2.Context, other.Key, other.Token))
+	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+
+	var pid int
+	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	_, err = db.ExecContext(t.Context(), "SELECT pg_terminate_backend($1)", pid)
+	require.NoError(t, err)
+	assert.Eventually(t, func() bool {
+		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+	}, 10*time.Second, time.Millisecond, "the claim's session ended")
+}
+
+// extendsSeen is a Store that sends the error of each Extend to extends.
+type extendsSeen struct {
+	*Store
+	extends chan error
+}
+
+func (s extendsSeen) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
+	err := s.Store.Extend(ctx, key, token, leaseExpires)
+	select {
+	case s.extends <- err:
+	default:
+	}
+	return err
+}
+
+func TestTransactionalHandlerThatEndsTxItselfKeepsRunning(t *testing.T) {
+	// A handler that ends the transaction itself, against Tx's contract,
+	// and runs on: one that committed still holds its key by the claim's
+	// committed row, and its context must not end (a handler cut short
+	// would answer 5xx, and the release would let a retry run its
+	// committed work again); one that rolled back lost its claim, and its
+	// context ends.
+	for _, tt := range []struct {
+		name   string
+		end    func(*sql.Tx) error
+		lost   bool
+		status int
+	}{
+		{"committed", (*sql.Tx).Commit, false, http.StatusCreated},
+		{"rolled back", (*sql.Tx).Rollback, true, http.StatusServiceUnavailable},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			s := extendsSeen{Store: db.newStore(t, WithTransactional()), extends: make(chan error)}
+			h := idemserver.Middleware(s, idemserver.WithLease(300*time.Millisecond))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if !assert.NoError(t, tt.end(Tx(r.Context()))) {
+					return
+				}
+				if tt.lost {
+					select {
+					case <-r.Context().Done():
+						assert.ErrorIs(t, context.Cause(r.Context()), idemserver.ErrLeaseLost)
+					case <-time.After(10 * time.Second):
+						t.Error("the handler's context did not end")
+					}
+				} else {
+				extensions:
+					for range 3 {
+						select {
+						case err := <-s.extends:
+							assert.NoError(t, err)
+						case <-r.Context().Done():
+							t.Errorf("the handler's context ended: %v", context.Cause(r.Context()))
+							break extensions
+						}
+					}
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			status, body, _ := post(h, "k")
+			assert.Equal(t, tt.status, status, body)
+		})
+	}
+}
