@@ -18,6 +18,8 @@ import (
 // store reads them on its first claim, and then with the first claim
 // after each interval: a Redis whose maxmemory-policy an operator changed
 // at runtime is caught within about one interval (see [ErrEvictionPolicy]).
+// A clock that steps back by more than an interval makes the next claim
+// read them again, so a step back does not stretch the interval.
 const EvictionCheckInterval = time.Minute
 
 // ErrEvictionPolicy is returned, wrapped, by Claim, ClaimPacked and
@@ -69,8 +71,14 @@ type evictionCheck struct {
 
 // evictionVerdict is what one check found.
 type evictionVerdict struct {
-	err  error     // nil: Redis does not evict; else wraps ErrEvictionPolicy
-	next time.Time // when to check again, by the store's clock
+	err error // nil: Redis does not evict; else wraps ErrEvictionPolicy
+	// The verdict holds for claims made in [from, next), by the store's
+	// clock: from an interval before the check, so that claims that read
+	// the clock just before it do not check again, to an interval after.
+	// A clock that steps back (one given with WithClock need not be
+	// monotonic) past from is rechecked at once, rather than keeping the
+	// verdict for as long as the step.
+	from, next time.Time
 }
 
 // evictionCall is one check under way, which claims that have no verdict
@@ -82,10 +90,10 @@ type evictionCall struct {
 
 // refusal returns the error a claim made at now, by the store's clock,
 // fails with: nil while Redis does not evict. In the steady state it is
-// one atomic load and a comparison of times.
+// one atomic load and two comparisons of times.
 func (e *evictionCheck) refusal(ctx context.Context, c redis.UniversalClient, now time.Time) error {
 	v := e.verdict.Load()
-	if v != nil && now.Before(v.next) {
+	if v != nil && now.Before(v.next) && !now.Before(v.from) {
 		return v.err
 	}
 	return e.recheck(ctx, c, now, v)
@@ -171,7 +179,7 @@ func (e *evictionCheck) check(ctx context.Context, c redis.UniversalClient, now 
 	if failed != nil && verdict == nil {
 		return fmt.Errorf("redisstore: claim: reading Redis's eviction settings: %w", failed)
 	}
-	e.verdict.Store(&evictionVerdict{err: verdict, next: now.Add(EvictionCheckInterval)})
+	e.verdict.Store(&evictionVerdict{err: verdict, from: now.Add(-EvictionCheckInterval), next: now.Add(EvictionCheckInterval)})
 	return verdict
 }
 

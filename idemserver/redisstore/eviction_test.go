@@ -344,3 +344,21 @@ func TestEvictionCheckPanicked(t *testing.T) {
 	assert.Panics(t, func() { _, _ = store.Claim(t.Context(), claim("k", "t", time.Minute)) })
 	mustClaim(t, store, claim("k", "t", time.Minute))
 }
+
+func TestEvictionCheckClockStepsBack(t *testing.T) {
+	// A clock given with WithClock need not be monotonic (time.Now().UTC()
+	// is not): a step back must not stretch the last verdict by the size of
+	// the step, during which a policy changed at runtime would go unseen.
+	server := startEvictionServer(t)
+	c := clientOf(t, server.addr)
+	var clock fakeClock
+	store := redisstore.New(c, redisstore.WithPrefix(newPrefix(t, c)), redisstore.WithClock(clock.now))
+	ctx := t.Context()
+	mustClaim(t, store, clock.claim("a", "a"))
+
+	clock.add(-24 * time.Hour)
+	server.set(t, "100mb", "allkeys-lru")
+	clock.add(redisstore.EvictionCheckInterval)
+	_, err := store.Claim(ctx, clock.claim("b", "b"))
+	require.ErrorIs(t, err, redisstore.ErrEvictionPolicy, "caught an interval after the step back")
+}
