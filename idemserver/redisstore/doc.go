@@ -174,10 +174,11 @@
 // [EvictionCheckInterval] by its clock, one claim checking while the
 // others go on the last verdict. While Redis may evict, or while the
 // store cannot tell (INFO refused by an ACL, which puts it in @dangerous,
-// or renamed), claims fail with an error wrapping [ErrEvictionPolicy] that
-// says why and what to do, and the middleware answers 503 with
-// Retry-After without running the handler and reports the error to its
-// observer. Claims held go on being extended, completed and released; a
+// or renamed), claims fail with an error wrapping [ErrEvictionPolicy] (and
+// [idemserver.ErrStoreMisconfigured]) that says why and what to do, and
+// the middleware answers 503 with Retry-After, saying the store refuses
+// requests until its configuration is fixed, without running the handler,
+// and reports the error to its observer. Claims held go on being extended, completed and released; a
 // claim of a completed key is refused too, rather than replayed. A policy
 // changed at runtime is caught at the next check, and so is its fix: in
 // between, up to one interval, claims go on the last verdict, and a Redis

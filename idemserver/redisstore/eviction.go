@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // EvictionCheckInterval is how often, at most, a [Store] reads Redis's
@@ -24,7 +26,8 @@ const EvictionCheckInterval = time.Minute
 
 // ErrEvictionPolicy is returned, wrapped, by Claim, ClaimPacked and
 // TakeOver while the Redis the store uses may evict records before they
-// expire, or while the store cannot tell whether it may.
+// expire, or while the store cannot tell whether it may. The error wraps
+// [idemserver.ErrStoreMisconfigured] as well.
 //
 // Every record has a TTL, so a Redis with a maxmemory and any
 // maxmemory-policy but noeviction (the allkeys-* and volatile-* ones)
@@ -179,8 +182,21 @@ func (e *evictionCheck) check(ctx context.Context, c redis.UniversalClient, now 
 	if failed != nil && verdict == nil {
 		return fmt.Errorf("redisstore: claim: reading Redis's eviction settings: %w", failed)
 	}
+	if verdict != nil {
+		verdict = misconfigured{verdict}
+	}
 	e.verdict.Store(&evictionVerdict{err: verdict, from: now.Add(-EvictionCheckInterval), next: now.Add(EvictionCheckInterval)})
 	return verdict
+}
+
+// misconfigured is a verdict that refuses claims: it wraps
+// ErrEvictionPolicy, and [idemserver.ErrStoreMisconfigured] too, so that
+// the middleware's 503 says the store refuses by its configuration rather
+// than that it could not be reached.
+type misconfigured struct{ error }
+
+func (e misconfigured) Unwrap() []error {
+	return []error{e.error, idemserver.ErrStoreMisconfigured}
 }
 
 // masterIterator is a client of several primaries, each serving part of

@@ -155,10 +155,16 @@ func TestEvictionPolicyThroughMiddleware(t *testing.T) {
 	assert.Equal(t, http.StatusServiceUnavailable, r.status)
 	assert.NotEmpty(t, r.header.Get("Retry-After"))
 	assert.Zero(t, runs.Load(), "the handler did not run")
+	// The client is told the store refuses by its configuration: it is
+	// reachable, and looking for a network fault would mislead.
+	assert.Contains(t, string(r.body), idemserver.ProblemStoreUnavailable)
+	assert.Contains(t, string(r.body), "configuration")
+	assert.NotContains(t, string(r.body), "could not be reached")
 	ev := seen.of("k")
 	require.Len(t, ev, 1)
 	assert.Equal(t, idemserver.OutcomeUnavailable, ev[0].Outcome)
 	assert.ErrorIs(t, ev[0].Err, redisstore.ErrEvictionPolicy)
+	assert.ErrorIs(t, ev[0].Err, idemserver.ErrStoreMisconfigured)
 	assert.ErrorContains(t, ev[0].Err, "volatile-lru")
 }
 
