@@ -184,7 +184,11 @@
 // between, up to one interval, claims go on the last verdict, and a Redis
 // made to evict in that window may do so unseen. The check is one more
 // round trip (one per primary, sent together, on a Cluster) for the claim
-// that makes it; between checks, a claim pays an atomic load for it.
+// that makes it; between checks, a claim pays an atomic load for it. A
+// check that cannot reach Redis decides nothing: its claim fails, and the
+// next claim checks again. On a Cluster, a primary that is down counts
+// with what it answered at the last check, so that the keys of the others
+// can still be claimed; one the store has never asked refuses claims.
 //
 // [WithEvictionAllowed] turns the check off, and never sends INFO: for an
 // operator who accepts eviction, or cannot grant INFO. Records Redis

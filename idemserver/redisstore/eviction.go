@@ -70,6 +70,11 @@ type evictionCheck struct {
 
 	mu   sync.Mutex
 	call *evictionCall // the check under way, if any
+
+	// nodes holds what each primary of a Cluster answered at the last
+	// check that asked them all, by address. Only the check under way
+	// uses it, and checks do not overlap.
+	nodes map[string]error
 }
 
 // evictionVerdict is what one check found.
@@ -152,19 +157,32 @@ var errCheckUnfinished = errors.New("redisstore: claim: the check of Redis's evi
 // check reads Redis's eviction settings and records the verdict, which it
 // returns. When Redis could not be asked (it is down, say), it records
 // nothing and returns the error: the claim fails, as it would have on its
-// own command, and the next claim checks again.
+// own command, and the next claim checks again. A primary of a Cluster
+// that could not be asked, but was at an earlier check, counts with what
+// it answered then: the keys of the primaries that are up can still be
+// claimed, and the store does not ask every primary again with every
+// claim while one is down.
 func (e *evictionCheck) check(ctx context.Context, c redis.UniversalClient, now time.Time) error {
 	var verdict, failed error
 	if cc, ok := c.(masterIterator); ok {
 		var mu sync.Mutex
+		nodes := make(map[string]error)
 		// fn returns nil, so an error is the cluster's state's.
 		err := cc.ForEachMaster(ctx, func(ctx context.Context, node *redis.Client) error {
-			v, err := nodeVerdict(ctx, node, " on "+node.Options().Addr)
+			addr := node.Options().Addr
+			v, err := nodeVerdict(ctx, node, " on "+addr)
 			mu.Lock()
 			defer mu.Unlock()
+			if err != nil {
+				last, ok := e.nodes[addr]
+				if !ok {
+					failed = err
+					return nil
+				}
+				v = last
+			}
+			nodes[addr] = v
 			switch {
-			case err != nil:
-				failed = err
 			case v == nil:
 			case verdict == nil || !errors.Is(verdict, errMayEvict):
 				// A node that may evict says more than one that cannot
@@ -175,6 +193,9 @@ func (e *evictionCheck) check(ctx context.Context, c redis.UniversalClient, now 
 		})
 		if err != nil {
 			failed = err
+		}
+		if failed == nil {
+			e.nodes = nodes
 		}
 	} else {
 		verdict, failed = nodeVerdict(ctx, c, "")
