@@ -263,7 +263,10 @@ func refusedInfo(err error) bool {
 }
 
 // evictionSettings reads maxmemory and maxmemory_policy from the text of
-// INFO memory, and reports whether it found both.
+// INFO memory, and reports whether it found both. A text that holds them
+// more than once (a proxy's, with a section per server behind it) gets the
+// largest maxmemory and a policy other than noeviction if any has one: it
+// may evict when any of its servers may.
 func evictionSettings(info string) (maxmemory int64, policy string, ok bool) {
 	var haveMax bool
 	for line := range strings.Lines(info) {
@@ -273,9 +276,14 @@ func evictionSettings(info string) (maxmemory int64, policy string, ok bool) {
 			if err != nil {
 				return 0, "", false
 			}
-			maxmemory, haveMax = n, true
+			maxmemory, haveMax = max(maxmemory, n), true
 		} else if v, found := strings.CutPrefix(line, "maxmemory_policy:"); found {
-			policy = v
+			if v == "" {
+				return 0, "", false
+			}
+			if policy == "" || policy == "noeviction" {
+				policy = v
+			}
 		}
 	}
 	return maxmemory, policy, haveMax && policy != ""
