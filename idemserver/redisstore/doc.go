@@ -172,7 +172,7 @@
 // maxmemory and maxmemory_policy with INFO memory (on every primary of a
 // Cluster) on its first claim, and again with the first claim after each
 // [EvictionCheckInterval] by its clock, one claim checking while the
-// others go on the last verdict. While Redis may evict, or while the
+// others go on the last verdict (or, before the first, wait for it). While Redis may evict, or while the
 // store cannot tell (INFO refused by an ACL, which puts it in @dangerous,
 // or renamed), claims fail with an error wrapping [ErrEvictionPolicy] (and
 // [idemserver.ErrStoreMisconfigured]) that says why and what to do, and
