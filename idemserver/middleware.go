@@ -43,8 +43,9 @@ import (
 //     whose lease ([WithLease]) has ended, because nothing renewed it, is
 //     taken over and the handler runs again.
 //   - A different fingerprint: 422, whatever the record's state.
-//   - The store fails, or is full ([ErrStoreFull]): 503 with Retry-After,
-//     and the handler does not run, since running it without a claim could
+//   - The store fails, is full ([ErrStoreFull]) or refuses claims by its
+//     configuration ([ErrStoreMisconfigured]): 503 with Retry-After, and
+//     the handler does not run, since running it without a claim could
 //     run it twice.
 //
 // The header fields stored are those the handler set: the ones it added,
@@ -198,7 +199,8 @@ type Event struct {
 	// Err is the store's error, if any: the cause of OutcomeUnavailable,
 	// or a failure to complete or release a claim, such as [ErrLeaseLost].
 	// For a handler that panicked it wraps [ErrHandlerPanicked]; for a
-	// store that was full, [ErrStoreFull]. When the handler's context
+	// store that was full, [ErrStoreFull]; for one that refused claims by
+	// its configuration, [ErrStoreMisconfigured]. When the handler's context
 	// ended, it wraps the context's cause: the client's, or one wrapping
 	// [ErrLeaseLost] or [ErrMaxHoldExceeded] when the middleware cancelled it.
 	Err error
@@ -333,8 +335,11 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		switch {
 		case err != nil:
 			detail := "the idempotency store could not be reached; the request was not processed"
-			if errors.Is(err, ErrStoreFull) {
+			switch {
+			case errors.Is(err, ErrStoreFull):
 				detail = "the idempotency store is full; the request was not processed"
+			case errors.Is(err, ErrStoreMisconfigured):
+				detail = "the idempotency store refuses requests until its configuration is fixed; the request was not processed"
 			}
 			writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable, detail, cfg.retryAfter)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: evicted})

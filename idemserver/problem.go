@@ -32,9 +32,10 @@ const (
 	ProblemInProgress = problemBase + "ProblemInProgress"
 	// ProblemStoreUnavailable (503, with Retry-After): the middleware could
 	// not reach its store, or the store was full of records it may not
-	// forget yet ([ErrStoreFull]), or it could not keep the outcome; it did
-	// not run the handler or kept nothing it did. Retry the same request
-	// later.
+	// forget yet ([ErrStoreFull]), or refused claims until its
+	// configuration is fixed ([ErrStoreMisconfigured]), or it could not
+	// keep the outcome; it did not run the handler or kept nothing it did.
+	// The detail member says which. Retry the same request later.
 	ProblemStoreUnavailable = problemBase + "ProblemStoreUnavailable"
 	// ProblemLeaseLost (503, with Retry-After): the handler ran, but its
 	// claim on the key was lost before its response could be stored: it

@@ -253,6 +253,13 @@ var (
 	// not expired, and the store does not drop those early. The
 	// middleware answers 503 with Retry-After and does not run the handler.
 	ErrStoreFull = errors.New("idemserver: store full")
+	// ErrStoreMisconfigured means a store refuses claims because of how
+	// its backend is configured, until an operator changes it: a Redis
+	// that may evict records before they expire, say. The store can be
+	// reached; retrying helps only once the configuration is fixed. The
+	// middleware answers 503 with Retry-After, saying so, and does not run
+	// the handler.
+	ErrStoreMisconfigured = errors.New("idemserver: store misconfigured")
 	// ErrClosed means the store was closed.
 	ErrClosed = errors.New("idemserver: store closed")
 )

@@ -3,6 +3,7 @@ package idemserver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"math"
 	"net/http"
@@ -230,5 +231,35 @@ func TestRetryAfterRounding(t *testing.T) {
 		{math.MaxInt64, "9223372037"},
 	} {
 		assert.Equal(t, tt.want, newConfig([]Option{WithRetryAfter(tt.d)}).retryAfter, "%v", tt.d)
+	}
+}
+
+func TestStoreUnavailableSaysWhy(t *testing.T) {
+	// One problem type for every claim the store could not make, and a
+	// detail that says which: a store that refuses by its configuration is
+	// reachable, and telling the client otherwise sends whoever reads it
+	// after a network fault.
+	for _, tt := range []struct {
+		err    error
+		detail string
+	}{
+		{errors.New("connection refused"), "could not be reached"},
+		{fmt.Errorf("shard: %w", ErrStoreFull), "is full"},
+		{fmt.Errorf("eviction: %w", ErrStoreMisconfigured), "until its configuration is fixed"},
+	} {
+		t.Run(tt.err.Error(), func(t *testing.T) {
+			store := newStubStore()
+			store.claim = func(context.Context, Claim) (ClaimResult, error) { return ClaimResult{}, tt.err }
+			var seen []Event
+			h := &countingHandler{}
+			w := serve(Middleware(store, WithObserver(func(e Event) { seen = append(seen, e) }))(h), newRequest(http.MethodPost, "/x", "k", "b"))
+			p := decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
+			assert.Contains(t, p.Detail, tt.detail)
+			assert.NotEmpty(t, w.Header().Get("Retry-After"))
+			assert.Zero(t, h.calls.Load(), "the handler did not run")
+			require.Len(t, seen, 1)
+			assert.Equal(t, OutcomeUnavailable, seen[0].Outcome)
+			assert.ErrorIs(t, seen[0].Err, tt.err)
+		})
 	}
 }

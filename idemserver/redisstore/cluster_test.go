@@ -20,11 +20,16 @@ import (
 // of the slots, and returns their addresses once both agree that the
 // cluster is up.
 func startCluster(t *testing.T) []string {
+	nodes := startClusterNodes(t)
+	return []string{nodes[0].addr, nodes[1].addr}
+}
+
+// startClusterNodes is startCluster, with the servers' options extra, and
+// returns the servers.
+func startClusterNodes(t *testing.T, extra ...string) []*redisServer {
 	ctx := t.Context()
-	nodes := []*redisServer{
-		startRedisWith(t, "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
-		startRedisWith(t, "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
-	}
+	args := append([]string{"--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"}, extra...)
+	nodes := []*redisServer{startRedisWith(t, args...), startRedisWith(t, args...)}
 	clients := make([]*redis.Client, len(nodes))
 	addrs := make([]string, len(nodes))
 	for i, n := range nodes {
@@ -51,7 +56,7 @@ func startCluster(t *testing.T) []string {
 	for _, c := range clients {
 		require.NoError(t, c.ConfigResetStat(ctx).Err())
 	}
-	return addrs
+	return nodes
 }
 
 // movedReplies returns how many commands the servers at addrs answered
@@ -144,4 +149,63 @@ func TestClusterEvictionPolicy(t *testing.T) {
 	require.NoError(t, second.ConfigSet(ctx, "maxmemory-policy", "noeviction").Err())
 	clock.add(redisstore.EvictionCheckInterval)
 	mustClaim(t, store, clock.claim("k9", "t"))
+}
+
+// keyOn returns a key, named from base, whose record under the default
+// prefix the Cluster node c serves.
+func keyOn(t *testing.T, c *redis.Client, base string) string {
+	slots, err := c.ClusterShards(t.Context()).Result()
+	require.NoError(t, err)
+	id, err := c.ClusterMyID(t.Context()).Result()
+	require.NoError(t, err)
+	for i := range 1000 {
+		key := fmt.Sprint(base, i)
+		slot, err := c.ClusterKeySlot(t.Context(), redisstore.DefaultPrefix+"{:"+key+"}").Result()
+		require.NoError(t, err)
+		for _, sh := range slots {
+			for _, n := range sh.Nodes {
+				if n.ID != id {
+					continue
+				}
+				for _, r := range sh.Slots {
+					if slot >= r.Start && slot <= r.End {
+						return key
+					}
+				}
+			}
+		}
+	}
+	t.Fatal("no key found on the node")
+	return ""
+}
+
+func TestClusterEvictionCheckWithAPrimaryDown(t *testing.T) {
+	// A Cluster that serves the slots of its live primaries while another
+	// is down (cluster-require-full-coverage no) takes claims of their
+	// keys. The check must not refuse them because it cannot ask the
+	// primary that is down, whose settings it has read before: that turns
+	// the loss of one primary into the loss of all, and makes every claim
+	// send INFO to every primary while it lasts.
+	nodes := startClusterNodes(t, "--cluster-require-full-coverage", "no")
+	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{nodes[0].addr, nodes[1].addr}, MaxRetries: -1})
+	t.Cleanup(func() { _ = c.Close() })
+	first := clientOf(t, nodes[0].addr)
+	var clock fakeClock
+	store := redisstore.New(c, redisstore.WithClock(clock.now))
+	mustClaim(t, store, clock.claim(keyOn(t, first, "before-"), "t"))
+	assert.Equal(t, 1, infoCalls(t, nodes[0].addr), "INFO on the live primary")
+
+	nodes[1].kill()
+	clock.add(redisstore.EvictionCheckInterval)
+	for i := range 4 {
+		key := keyOn(t, first, fmt.Sprint("during-", i, "-"))
+		_, err := store.Claim(t.Context(), clock.claim(key, "t"))
+		require.NoError(t, err, "a claim of a key the live primary serves")
+	}
+	// A store that never read the settings of the primary that is down
+	// cannot tell whether it evicts, and refuses.
+	_, err := redisstore.New(c, redisstore.WithClock(clock.now)).Claim(t.Context(), clock.claim(keyOn(t, first, "fresh-"), "t"))
+	require.ErrorContains(t, err, "reading Redis's eviction settings", "a primary never checked")
+	// The earlier count was an INFO too, and so was the new store's.
+	assert.Equal(t, 4, infoCalls(t, nodes[0].addr), "one check more, not one per claim")
 }

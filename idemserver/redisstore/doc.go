@@ -171,19 +171,27 @@
 // (ElastiCache's is volatile-lru). The store therefore checks: it reads
 // maxmemory and maxmemory_policy with INFO memory (on every primary of a
 // Cluster) on its first claim, and again with the first claim after each
-// [EvictionCheckInterval] by its clock, one claim checking while the
-// others go on the last verdict. While Redis may evict, or while the
-// store cannot tell (INFO refused by an ACL, which puts it in @dangerous,
-// or renamed), claims fail with an error wrapping [ErrEvictionPolicy] that
-// says why and what to do, and the middleware answers 503 with
-// Retry-After without running the handler and reports the error to its
-// observer. Claims held go on being extended, completed and released; a
-// claim of a completed key is refused too, rather than replayed. A policy
-// changed at runtime is caught at the next check, and so is its fix: in
+// [EvictionCheckInterval] by its clock, one claim checking while the others
+// go on the last verdict (or, before the first, wait for it). While Redis
+// may evict, or while the store cannot tell (INFO refused by an ACL, which
+// puts it in @dangerous, or renamed), claims fail with an error wrapping
+// [ErrEvictionPolicy] (and [idemserver.ErrStoreMisconfigured]) that says
+// why and what to do, and the middleware answers 503 with Retry-After,
+// saying the store refuses requests until its configuration is fixed,
+// without running the handler, and reports the error to its observer.
+// Claims held go on being extended, completed and released; a claim of a
+// completed key is refused too, rather than replayed. A policy changed at
+// runtime is caught at the next check, and so are its fix and a failover
+// (Sentinel's, or a Cluster's) to a replica configured otherwise: in
 // between, up to one interval, claims go on the last verdict, and a Redis
 // made to evict in that window may do so unseen. The check is one more
 // round trip (one per primary, sent together, on a Cluster) for the claim
-// that makes it; between checks, a claim pays an atomic load for it.
+// that makes it; between checks, a claim pays an atomic load for it. A
+// check that cannot reach Redis decides nothing: its claim fails, and the
+// next claim checks again. On a Cluster, a primary that is down counts with
+// what it answered at the last check, so that the keys of the others can
+// still be claimed; while one the store has never asked is down, claims
+// fail.
 //
 // [WithEvictionAllowed] turns the check off, and never sends INFO: for an
 // operator who accepts eviction, or cannot grant INFO. Records Redis

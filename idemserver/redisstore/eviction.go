@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/idemhttp/idemhttp/idemserver"
 )
 
 // EvictionCheckInterval is how often, at most, a [Store] reads Redis's
@@ -18,11 +20,14 @@ import (
 // store reads them on its first claim, and then with the first claim
 // after each interval: a Redis whose maxmemory-policy an operator changed
 // at runtime is caught within about one interval (see [ErrEvictionPolicy]).
+// A clock that steps back by more than an interval makes the next claim
+// read them again, so a step back does not stretch the interval.
 const EvictionCheckInterval = time.Minute
 
 // ErrEvictionPolicy is returned, wrapped, by Claim, ClaimPacked and
 // TakeOver while the Redis the store uses may evict records before they
-// expire, or while the store cannot tell whether it may.
+// expire, or while the store cannot tell whether it may. The error wraps
+// [idemserver.ErrStoreMisconfigured] as well.
 //
 // Every record has a TTL, so a Redis with a maxmemory and any
 // maxmemory-policy but noeviction (the allkeys-* and volatile-* ones)
@@ -65,12 +70,23 @@ type evictionCheck struct {
 
 	mu   sync.Mutex
 	call *evictionCall // the check under way, if any
+
+	// nodes holds what each primary of a Cluster answered at the last
+	// check that asked them all, by address. Only the check under way
+	// uses it, and checks do not overlap.
+	nodes map[string]error
 }
 
 // evictionVerdict is what one check found.
 type evictionVerdict struct {
-	err  error     // nil: Redis does not evict; else wraps ErrEvictionPolicy
-	next time.Time // when to check again, by the store's clock
+	err error // nil: Redis does not evict; else wraps ErrEvictionPolicy
+	// The verdict holds for claims made in [from, next), by the store's
+	// clock: from an interval before the check, so that claims that read
+	// the clock just before it do not check again, to an interval after.
+	// A clock that steps back (one given with WithClock need not be
+	// monotonic) past from is rechecked at once, rather than keeping the
+	// verdict for as long as the step.
+	from, next time.Time
 }
 
 // evictionCall is one check under way, which claims that have no verdict
@@ -82,10 +98,10 @@ type evictionCall struct {
 
 // refusal returns the error a claim made at now, by the store's clock,
 // fails with: nil while Redis does not evict. In the steady state it is
-// one atomic load and a comparison of times.
+// one atomic load and two comparisons of times.
 func (e *evictionCheck) refusal(ctx context.Context, c redis.UniversalClient, now time.Time) error {
 	v := e.verdict.Load()
-	if v != nil && now.Before(v.next) {
+	if v != nil && now.Before(v.next) && !now.Before(v.from) {
 		return v.err
 	}
 	return e.recheck(ctx, c, now, v)
@@ -141,19 +157,32 @@ var errCheckUnfinished = errors.New("redisstore: claim: the check of Redis's evi
 // check reads Redis's eviction settings and records the verdict, which it
 // returns. When Redis could not be asked (it is down, say), it records
 // nothing and returns the error: the claim fails, as it would have on its
-// own command, and the next claim checks again.
+// own command, and the next claim checks again. A primary of a Cluster
+// that could not be asked, but was at an earlier check, counts with what
+// it answered then: the keys of the primaries that are up can still be
+// claimed, and the store does not ask every primary again with every
+// claim while one is down.
 func (e *evictionCheck) check(ctx context.Context, c redis.UniversalClient, now time.Time) error {
 	var verdict, failed error
 	if cc, ok := c.(masterIterator); ok {
 		var mu sync.Mutex
+		nodes := make(map[string]error)
 		// fn returns nil, so an error is the cluster's state's.
 		err := cc.ForEachMaster(ctx, func(ctx context.Context, node *redis.Client) error {
-			v, err := nodeVerdict(ctx, node, " on "+node.Options().Addr)
+			addr := node.Options().Addr
+			v, err := nodeVerdict(ctx, node, " on "+addr)
 			mu.Lock()
 			defer mu.Unlock()
+			if err != nil {
+				last, ok := e.nodes[addr]
+				if !ok {
+					failed = err
+					return nil
+				}
+				v = last
+			}
+			nodes[addr] = v
 			switch {
-			case err != nil:
-				failed = err
 			case v == nil:
 			case verdict == nil || !errors.Is(verdict, errMayEvict):
 				// A node that may evict says more than one that cannot
@@ -165,14 +194,30 @@ func (e *evictionCheck) check(ctx context.Context, c redis.UniversalClient, now 
 		if err != nil {
 			failed = err
 		}
+		if failed == nil {
+			e.nodes = nodes
+		}
 	} else {
 		verdict, failed = nodeVerdict(ctx, c, "")
 	}
 	if failed != nil && verdict == nil {
 		return fmt.Errorf("redisstore: claim: reading Redis's eviction settings: %w", failed)
 	}
-	e.verdict.Store(&evictionVerdict{err: verdict, next: now.Add(EvictionCheckInterval)})
+	if verdict != nil {
+		verdict = misconfigured{verdict}
+	}
+	e.verdict.Store(&evictionVerdict{err: verdict, from: now.Add(-EvictionCheckInterval), next: now.Add(EvictionCheckInterval)})
 	return verdict
+}
+
+// misconfigured is a verdict that refuses claims: it wraps
+// ErrEvictionPolicy, and [idemserver.ErrStoreMisconfigured] too, so that
+// the middleware's 503 says the store refuses by its configuration rather
+// than that it could not be reached.
+type misconfigured struct{ error }
+
+func (e misconfigured) Unwrap() []error {
+	return []error{e.error, idemserver.ErrStoreMisconfigured}
 }
 
 // masterIterator is a client of several primaries, each serving part of
@@ -218,7 +263,10 @@ func refusedInfo(err error) bool {
 }
 
 // evictionSettings reads maxmemory and maxmemory_policy from the text of
-// INFO memory, and reports whether it found both.
+// INFO memory, and reports whether it found both. A text that holds them
+// more than once (a proxy's, with a section per server behind it) gets the
+// largest maxmemory and a policy other than noeviction if any has one: it
+// may evict when any of its servers may.
 func evictionSettings(info string) (maxmemory int64, policy string, ok bool) {
 	var haveMax bool
 	for line := range strings.Lines(info) {
@@ -228,9 +276,14 @@ func evictionSettings(info string) (maxmemory int64, policy string, ok bool) {
 			if err != nil {
 				return 0, "", false
 			}
-			maxmemory, haveMax = n, true
+			maxmemory, haveMax = max(maxmemory, n), true
 		} else if v, found := strings.CutPrefix(line, "maxmemory_policy:"); found {
-			policy = v
+			if v == "" {
+				return 0, "", false
+			}
+			if policy == "" || policy == "noeviction" {
+				policy = v
+			}
 		}
 	}
 	return maxmemory, policy, haveMax && policy != ""

@@ -2,6 +2,7 @@ package redisstore_test
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -155,10 +156,16 @@ func TestEvictionPolicyThroughMiddleware(t *testing.T) {
 	assert.Equal(t, http.StatusServiceUnavailable, r.status)
 	assert.NotEmpty(t, r.header.Get("Retry-After"))
 	assert.Zero(t, runs.Load(), "the handler did not run")
+	// The client is told the store refuses by its configuration: it is
+	// reachable, and looking for a network fault would mislead.
+	assert.Contains(t, string(r.body), idemserver.ProblemStoreUnavailable)
+	assert.Contains(t, string(r.body), "configuration")
+	assert.NotContains(t, string(r.body), "could not be reached")
 	ev := seen.of("k")
 	require.Len(t, ev, 1)
 	assert.Equal(t, idemserver.OutcomeUnavailable, ev[0].Outcome)
 	assert.ErrorIs(t, ev[0].Err, redisstore.ErrEvictionPolicy)
+	assert.ErrorIs(t, ev[0].Err, idemserver.ErrStoreMisconfigured)
 	assert.ErrorContains(t, ev[0].Err, "volatile-lru")
 }
 
@@ -343,4 +350,97 @@ func TestEvictionCheckPanicked(t *testing.T) {
 	store := redisstore.New(c, redisstore.WithPrefix(newPrefix(t, c)))
 	assert.Panics(t, func() { _, _ = store.Claim(t.Context(), claim("k", "t", time.Minute)) })
 	mustClaim(t, store, claim("k", "t", time.Minute))
+}
+
+func TestEvictionCheckClockStepsBack(t *testing.T) {
+	// A clock given with WithClock need not be monotonic (time.Now().UTC()
+	// is not): a step back must not stretch the last verdict by the size of
+	// the step, during which a policy changed at runtime would go unseen.
+	server := startEvictionServer(t)
+	c := clientOf(t, server.addr)
+	var clock fakeClock
+	store := redisstore.New(c, redisstore.WithPrefix(newPrefix(t, c)), redisstore.WithClock(clock.now))
+	ctx := t.Context()
+	mustClaim(t, store, clock.claim("a", "a"))
+
+	clock.add(-24 * time.Hour)
+	server.set(t, "100mb", "allkeys-lru")
+	clock.add(redisstore.EvictionCheckInterval)
+	_, err := store.Claim(ctx, clock.claim("b", "b"))
+	require.ErrorIs(t, err, redisstore.ErrEvictionPolicy, "caught an interval after the step back")
+}
+
+// stallInfo is a go-redis hook that holds the first INFO until its
+// context ends, and reports when it holds it.
+type stallInfo struct {
+	first   atomic.Bool
+	holding chan struct{}
+}
+
+func (s *stallInfo) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (s *stallInfo) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "info" && s.first.CompareAndSwap(false, true) {
+			close(s.holding)
+			<-ctx.Done()
+			cmd.SetErr(ctx.Err())
+			return ctx.Err()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (s *stallInfo) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// doneWatch is a context that reports when Done is first called: when a
+// claim waits on it, before it sends anything.
+type doneWatch struct {
+	context.Context
+	once    sync.Once
+	waiting chan struct{}
+}
+
+func (d *doneWatch) Done() <-chan struct{} {
+	d.once.Do(func() { close(d.waiting) })
+	return d.Context.Done()
+}
+
+func TestEvictionCheckerCanceled(t *testing.T) {
+	// The claim that checks goes away (its client did) while others wait
+	// for its verdict: they do not fail with its cancellation, nor wait
+	// forever, but check themselves.
+	hook := &stallInfo{holding: make(chan struct{})}
+	var cmds commands
+	c := newClient(t, hook, &cmds)
+	store := redisstore.New(c, redisstore.WithPrefix(newPrefix(t, c)))
+	ctx, cancel := context.WithCancel(t.Context())
+	first := make(chan error, 1)
+	go func() {
+		_, err := store.Claim(ctx, claim("first", "t", time.Minute))
+		first <- err
+	}()
+	<-hook.holding
+	const n = 8
+	var wg sync.WaitGroup
+	waiting := make([]*doneWatch, n)
+	for i := range n {
+		w := &doneWatch{Context: t.Context(), waiting: make(chan struct{})}
+		waiting[i] = w
+		wg.Go(func() {
+			res, err := store.Claim(w, claim(fmt.Sprint("waiter-", i), "t", time.Minute))
+			if assert.NoError(t, err) {
+				assert.True(t, res.Claimed)
+			}
+		})
+	}
+	for _, w := range waiting {
+		<-w.waiting
+	}
+	cancel()
+	require.ErrorIs(t, <-first, context.Canceled)
+	wg.Wait()
+	assert.LessOrEqual(t, cmds.take("info"), 2, "one check after the one canceled")
 }
