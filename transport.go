@@ -605,10 +605,13 @@ func (c *call) attempt(n int) outcome {
 		o.err, o.unsent = err, true
 		return o
 	}
-	var watch *watchedBody
+	var watch *bodyWatch
 	if c.watchBody && body != nil && body != http.NoBody {
-		watch = &watchedBody{ReadCloser: body}
-		body = watch
+		watch = newBodyWatch(body, getBody)
+		body = &watch.first
+		if getBody != nil {
+			getBody = watch.rewind
+		}
 	}
 	r := c.attemptRequest(o.ctx, ownCtx)
 	r.Body, r.GetBody = body, getBody
