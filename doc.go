@@ -45,8 +45,10 @@
 // and has reached the caller, so a later call for the same operation, in
 // this process or the next, sends the same key. Through a
 // redirect that http.Client follows, it stays pending until the outcome of
-// the request that follows reaches the caller; a redirect returned
-// unfollowed leaves it pending (see [Transport]).
+// the request that follows reaches the caller (a 4xx answering the GET
+// that follows a 301, 302 or 303 is never final: the redirect was the
+// key's outcome); a redirect returned unfollowed leaves it pending (see
+// [Transport]).
 //
 // The default [MemoryKeyStore] forgets everything when the process exits. A
 // [FileKeyStore], from [OpenFileKeyStore], keeps pending keys in a file that

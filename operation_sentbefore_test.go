@@ -164,3 +164,105 @@ func TestFourXXAfterTheKeyWasSentKeepsItPending(t *testing.T) {
 		assert.Empty(t, pendingKeys(t, store), "the server replayed the key's outcome")
 	})
 }
+
+// A followed redirect does not make the key's next send its first: a 4xx
+// answering the request that follows keeps the operation's key pending
+// when the key may already have acted. Authentication in front of the
+// charge refuses a token that expired meanwhile; the call made with a
+// fresh token gets the first charge replayed.
+func TestFourXXAfterAFollowedRedirectOfAKeySentBeforeKeepsItPending(t *testing.T) {
+	t.Run("308 answering a resumed key", func(t *testing.T) {
+		// The charge moved: /pay redirects to /v2/pay, the same request
+		// with the same key. The first call's charge went through, and
+		// its response was lost.
+		srv := newChargeBehindAuth(t)
+		moved := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, srv.URL+"/v2/pay", http.StatusPermanentRedirect)
+		}))
+		t.Cleanup(moved.Close)
+		store := NewMemoryKeyStore()
+		lossy, base := srv.losingFirstResponse(t), newBaseTransport(t)
+		client := &http.Client{Transport: NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.URL.Path == "/v2/pay" {
+				return lossy.RoundTrip(r)
+			}
+			return base.RoundTrip(r)
+		}), WithKeyStore(store), WithMaxAttempts(1))}
+		charge := func(token string) (int, string, error) {
+			req := post(t, WithOperation(context.Background(), "charge-7"), moved.URL+"/pay", `{"amount":100}`)
+			req.Header.Set("Authorization", token)
+			resp, err := client.Do(req)
+			if err != nil {
+				return 0, "", err
+			}
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			require.NoError(t, resp.Body.Close())
+			return resp.StatusCode, string(body), nil
+		}
+		// http.Client keeps Authorization only on a redirect to the same
+		// host or a subdomain; both servers are 127.0.0.1.
+		_, _, err := charge("Bearer t1")
+		require.Error(t, err, "the response was lost")
+		require.Len(t, pendingKeys(t, store), 1)
+
+		code, _, err := charge("Bearer t1")
+		require.NoError(t, err)
+		require.Equal(t, http.StatusUnauthorized, code)
+		assert.Len(t, pendingKeys(t, store), 1, "the 401 answered a key that may have charged")
+
+		code, body, err := charge("Bearer t2")
+		require.NoError(t, err)
+		assert.Equal(t, http.StatusCreated, code)
+		assert.Equal(t, `{"payment":"pay_1"}`, body)
+		assert.Equal(t, int32(1), srv.executions.Load(), "the charge ran twice")
+		assert.Empty(t, pendingKeys(t, store), "released once the replay was read")
+	})
+	t.Run("303 whose GET is refused", func(t *testing.T) {
+		// The charge answers 303 See Other to its receipt; the token
+		// expires before http.Client fetches it. The key's outcome is the
+		// 303, which charged: the GET's 401 says nothing of it.
+		var executions atomic.Int32
+		var token atomic.Value
+		token.Store("Bearer t1")
+		charge := idemserver.Middleware(idemserver.NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			n := executions.Add(1)
+			token.Store("Bearer t2")
+			http.Redirect(w, r, fmt.Sprintf("/receipts/%d", n), http.StatusSeeOther)
+		}))
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("Authorization") != token.Load().(string) {
+				http.Error(w, "token expired", http.StatusUnauthorized)
+				return
+			}
+			if r.Method == http.MethodPost {
+				charge.ServeHTTP(w, r)
+				return
+			}
+			io.WriteString(w, "receipt for "+r.URL.Path)
+		}))
+		t.Cleanup(srv.Close)
+		store := NewMemoryKeyStore()
+		client := &http.Client{Transport: NewTransport(newBaseTransport(t), WithKeyStore(store))}
+		pay := func(tok string) (int, string) {
+			req := post(t, WithOperation(context.Background(), "charge-7"), srv.URL+"/pay", `{"amount":100}`)
+			req.Header.Set("Authorization", tok)
+			resp, err := client.Do(req)
+			require.NoError(t, err)
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			require.NoError(t, resp.Body.Close())
+			return resp.StatusCode, string(body)
+		}
+
+		code, _ := pay("Bearer t1")
+		require.Equal(t, http.StatusUnauthorized, code)
+		assert.Len(t, pendingKeys(t, store), 1, "the 401 answered the GET, not the charge")
+
+		code, body := pay("Bearer t2")
+		assert.Equal(t, http.StatusOK, code)
+		assert.Equal(t, "receipt for /receipts/1", body)
+		assert.Equal(t, int32(1), executions.Load(), "the charge ran twice")
+		assert.Empty(t, pendingKeys(t, store), "released once the receipt was read")
+	})
+}

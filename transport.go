@@ -62,8 +62,13 @@ import (
 // in front of the server's idempotency, such as authentication refusing a
 // token that expired since the first attempt, answers without looking at
 // the key, while the first attempt may have acted. The next call with the
-// operation's id sends the key again and gets that replay. A 2xx or a
-// final 3xx is final whenever it comes.
+// operation's id sends the key again and gets that replay. The request
+// that follows a 307 or 308 sends the key again, so its 4xx is final only
+// when the send the redirect answered was the key's first; the GET that
+// follows a 301, 302 or 303 carries none of the key, and a 4xx answering it
+// is never the key's outcome (the redirect was, and the server acted), so
+// the key stays pending and the next call gets the redirect replayed and
+// follows it again. A 2xx or a final 3xx is final whenever it comes.
 //
 // A 307 or 308 asks for the same request to be sent to another URL, so it
 // does not end the request's operation: when [http.Client] follows it, the
@@ -215,8 +220,9 @@ type call struct {
 	// owner is the Transport whose KeyStore holds opKey, when it is not
 	// this one: a redirect's request may be followed through another.
 	owner *Transport
-	// carried: opKey was pending before this call, so an earlier call may
-	// have sent it and the server acted on it.
+	// carried: opKey may have reached the server before this call's first
+	// attempt: it was pending before the call, or the redirect this call
+	// follows answered a send of it that was not its first.
 	carried bool
 
 	host     string          // scheme://host:port, for per-host state
@@ -275,11 +281,11 @@ func (c *call) run() (*http.Response, error) {
 func (c *call) deliver(n int, o outcome) *http.Response {
 	resp := o.resp
 	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
-	if release && resp.StatusCode >= 400 && c.keySentBefore(n) && !replayed(resp.Header) {
+	if release && resp.StatusCode >= 400 && !c.fourXXSettles(n, resp.Header) {
 		release = false
 	}
 	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
-		c.linkRedirect(resp)
+		c.linkRedirect(resp, c.keySentBefore(n))
 	}
 	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
@@ -310,20 +316,32 @@ type upgradedBody struct {
 
 func (b upgradedBody) Write(p []byte) (int, error) { return b.w.Write(p) }
 
-// keySentBefore reports whether attempt n carries the operation's key and
-// the key may have reached the server before it: with an earlier attempt
-// of this call, or with an earlier call, which left it pending.
+// fourXXSettles reports whether a 4xx that is not retried, answering
+// attempt n with header fields h, is the final outcome of the operation's
+// key: the answer to the key's first send, or the server's replay of the
+// outcome it stored for the key (see replayed).
 //
-// A 4xx that answers such an attempt does not end the operation unless the
-// server says it replays the outcome it stored for the key (see replayed).
-// A layer in front of the server's idempotency may have answered without
-// looking at the key (authentication refusing a token that expired since
-// the first attempt, a gateway), and the attempt before may have acted:
-// forgetting the key then would let the next call act again under a new
-// one. Kept pending, the key goes with the next call, and the server
-// replays its outcome.
+// Once the key may have reached the server before, a layer in front of the
+// server's idempotency may have answered without looking at the key
+// (authentication refusing a token that expired since the first attempt, a
+// gateway) while the earlier send acted: forgetting the key then would let
+// the next call act again under a new one. Kept pending, the key goes with
+// the next call, and the server replays its outcome. A request that
+// follows a 301, 302 or 303 carries none of the operation's key: the key's
+// outcome was the redirect, and no answer to the GET is that outcome.
+func (c *call) fourXXSettles(n int, h http.Header) bool {
+	if c.key != c.opKey {
+		return false
+	}
+	return !c.keySentBefore(n) || replayed(h)
+}
+
+// keySentBefore reports whether the operation's key may have reached the
+// server before attempt n: with an earlier attempt of this call, with an
+// earlier call, which left it pending, or with an attempt that a redirect
+// this request follows answered when the key had been sent before it.
 func (c *call) keySentBefore(n int) bool {
-	return (n > 1 || c.carried) && c.key == c.opKey
+	return n > 1 || c.carried
 }
 
 // replayed reports whether a response is the outcome a server stored for
@@ -436,6 +454,9 @@ func (c *call) redirectedKey() string {
 type redirectLink struct {
 	owner          *Transport
 	operation, key string
+	// sentBefore: the key may have reached the server before the attempt
+	// the redirect answered (see keySentBefore).
+	sentBefore bool
 }
 
 // redirectLinkKey is the context key of a redirectLink.
@@ -449,9 +470,11 @@ type redirectLinkKey struct{}
 // otherwise have no way to find the operation's; a 307 or 308 is followed by
 // the same request, which finds the key in the attempt's header, but a GET
 // that follows a 301 and is redirected again needs the link as well.
-func (c *call) linkRedirect(resp *http.Response) {
+// sentBefore says whether the key may have reached the server before the
+// attempt resp answers; the request that follows inherits it.
+func (c *call) linkRedirect(resp *http.Response, sentBefore bool) {
 	r := resp.Request // set by attempt if the base transport did not
-	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey})
+	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey, sentBefore})
 	resp.Request = r.WithContext(ctx)
 }
 
@@ -474,7 +497,7 @@ func (c *call) followLink() bool {
 	if op, ok := OperationFrom(c.ctx); !ok || op != l.operation {
 		return false
 	}
-	c.operation, c.opKey, c.pending = l.operation, l.key, true
+	c.operation, c.opKey, c.pending, c.carried = l.operation, l.key, true, l.sentBefore
 	if l.owner != c.t {
 		c.owner = l.owner
 	}
