@@ -266,3 +266,43 @@ func TestFourXXAfterAFollowedRedirectOfAKeySentBeforeKeepsItPending(t *testing.T
 		assert.Empty(t, pendingKeys(t, store), "released once the receipt was read")
 	})
 }
+
+// A key field the caller left blank under a spelling of the name other
+// than the canonical one is no key either, and the Transport's own key
+// replaces it instead of going out beside it: a server reads two key
+// fields as a malformed key (idemserver answers 400) or takes either one.
+func TestBlankCallerKeyInAnotherSpellingIsReplaced(t *testing.T) {
+	for _, name := range []string{"idempotency-key", "IDEMPOTENCY-KEY"} {
+		t.Run(name, func(t *testing.T) {
+			var executions atomic.Int32
+			var fields recorder[[]string]
+			charge := idemserver.Middleware(idemserver.NewMemoryStore())(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				executions.Add(1)
+				w.WriteHeader(http.StatusCreated)
+			}))
+			var seen atomic.Int32
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				fields.add(r.Header.Values("Idempotency-Key"))
+				if seen.Add(1) == 1 {
+					charge.ServeHTTP(httptest.NewRecorder(), r) // its answer lost
+					hangUp(w, r)
+					return
+				}
+				charge.ServeHTTP(w, r)
+			}))
+			t.Cleanup(srv.Close)
+			req := post(t, context.Background(), srv.URL, `{"amount":100}`)
+			req.Header[name] = []string{" "}
+
+			resp := do(t, NewTransport(newBaseTransport(t), WithBackoff(noWait)), req)
+
+			assert.Equal(t, http.StatusCreated, resp.StatusCode)
+			assert.Equal(t, int32(1), executions.Load())
+			sent := fields.all()
+			require.Len(t, sent, 2)
+			require.Len(t, sent[0], 1, "one key field")
+			assert.Equal(t, sent[0], sent[1])
+			assert.Equal(t, []string{" "}, req.Header[name], "caller's header changed")
+		})
+	}
+}

@@ -756,11 +756,21 @@ func (c *call) attemptRequest(ctx context.Context, ownCtx bool) *http.Request {
 // caller or a later attempt. Like http.Header.Clone, it copies all values
 // into one backing array, unless the base transport is net/http's, which
 // only reads them: then the caller's values themselves are shared.
+//
+// A key added replaces the caller's field of that name under any spelling:
+// callerKey found none but blank ones there, and a blank field sent beside
+// the key would make two, which a server reads as a malformed key or takes
+// either of.
 func (c *call) attemptHeader(keySlot *[1]string) http.Header {
 	src := c.req.Header
 	h := make(http.Header, len(src)+1)
+	name := c.t.cfg.keyHeader
+	replaced := func(k string) bool { return keySlot != nil && len(k) == len(name) && strings.EqualFold(k, name) }
 	if c.t.baseReadsOnly {
 		for k, vv := range src {
+			if replaced(k) {
+				continue
+			}
 			h[k] = vv
 		}
 	} else {
@@ -770,6 +780,9 @@ func (c *call) attemptHeader(keySlot *[1]string) http.Header {
 		}
 		values := make([]string, n)
 		for k, vv := range src {
+			if replaced(k) {
+				continue
+			}
 			if vv == nil {
 				h[k] = nil
 				continue
