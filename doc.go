@@ -34,7 +34,8 @@
 //
 // Requests whose method is keyed (POST and PATCH by default) get an
 // Idempotency-Key header unless the caller already set one (a blank value,
-// which reaches the server empty, is none). Without an operation in the
+// which reaches the server empty, is none, and is not sent: net/http would
+// resend a request carrying the field whatever its value). Without an operation in the
 // context the key is a fresh UUIDv7 shared by the attempts of one
 // RoundTrip, and by the request that repeats it after a 307 or 308 that
 // http.Client follows. With [WithOperation] the key comes from the

@@ -213,6 +213,11 @@ type call struct {
 	// watchBody: the request may be sent again only if nothing reached the
 	// server, so each attempt notes whether its body was read.
 	watchBody bool
+	// dropBlankKey: the caller's header holds a blank field of the key's
+	// name, which is no key, and no key is added; attempts leave it out,
+	// for net/http resends a request carrying an Idempotency-Key field of
+	// any value after it may have reached the server.
+	dropBlankKey bool
 	// opKey is the operation's pending key: key, or, for a request that
 	// follows a 301, 302 or 303, the key of the request redirected, which
 	// this one does not carry.
@@ -379,7 +384,8 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 // a 301, 302 or 303 is another request, which must not carry that key.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
-	c.key = callerKey(c.req.Header, cfg.keyHeader)
+	var blankKey bool
+	c.key, blankKey = callerKey(c.req.Header, cfg.keyHeader)
 	linked := c.req.Response != nil && c.followLink()
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.method) {
 		key := c.redirectedKey()
@@ -422,6 +428,7 @@ func (c *call) assignKey() error {
 	}
 	c.resend = idempotentMethod(c.method) || c.key != ""
 	c.watchBody = !c.resend && c.body.replayable
+	c.dropBlankKey = blankKey && c.key == ""
 	return nil
 }
 
@@ -691,22 +698,28 @@ func headerValue(h http.Header, key string) string {
 // A blank value (empty, or only spaces and tabs) is no key: a field's value
 // loses its surrounding white space on the way, and the server reads an
 // empty one as no key, so a request sent again on its strength would run
-// again.
-func callerKey(h http.Header, key string) string {
+// again. blankField reports whether, without a key, h holds such a field.
+func callerKey(h http.Header, key string) (value string, blankField bool) {
 	if len(h) == 0 {
-		return ""
+		return "", false
 	}
-	if v := headerValue(h, key); !blank(v) {
-		return v
+	if vv := h[key]; len(vv) > 0 {
+		if !blank(vv[0]) {
+			return vv[0], false
+		}
+		blankField = true
 	}
 	for k, vv := range h {
 		// Equal lengths first: EqualFold is dearer, and a name of another
 		// length cannot match.
-		if len(k) == len(key) && len(vv) > 0 && !blank(vv[0]) && strings.EqualFold(k, key) {
-			return vv[0]
+		if len(k) == len(key) && len(vv) > 0 && strings.EqualFold(k, key) {
+			if !blank(vv[0]) {
+				return vv[0], false
+			}
+			blankField = true
 		}
 	}
-	return ""
+	return "", blankField
 }
 
 // blank reports whether a header field value is empty once the spaces and
@@ -744,7 +757,7 @@ func (c *call) attemptRequest(ctx context.Context, ownCtx bool) *http.Request {
 	switch {
 	case c.keyValue != "":
 		r.Header = c.attemptHeader(new([1]string))
-	case !c.t.baseReadsOnly || r.Header == nil:
+	case !c.t.baseReadsOnly || r.Header == nil || c.dropBlankKey:
 		r.Header = c.attemptHeader(nil)
 	}
 	return r
@@ -760,12 +773,13 @@ func (c *call) attemptRequest(ctx context.Context, ownCtx bool) *http.Request {
 // A key added replaces the caller's field of that name under any spelling:
 // callerKey found none but blank ones there, and a blank field sent beside
 // the key would make two, which a server reads as a malformed key or takes
-// either of.
+// either of. Without a key, a blank field is left out (see dropBlankKey).
 func (c *call) attemptHeader(keySlot *[1]string) http.Header {
 	src := c.req.Header
 	h := make(http.Header, len(src)+1)
 	name := c.t.cfg.keyHeader
-	replaced := func(k string) bool { return keySlot != nil && len(k) == len(name) && strings.EqualFold(k, name) }
+	drop := keySlot != nil || c.dropBlankKey
+	replaced := func(k string) bool { return drop && len(k) == len(name) && strings.EqualFold(k, name) }
 	if c.t.baseReadsOnly {
 		for k, vv := range src {
 			if replaced(k) {
