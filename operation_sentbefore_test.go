@@ -50,14 +50,26 @@ func newChargeBehindAuth(t *testing.T) *chargeBehindAuth {
 // charge sends the operation's charge with token.
 func (s *chargeBehindAuth) charge(t *testing.T, tr http.RoundTripper, token string) (int, string) {
 	t.Helper()
-	req := post(t, WithOperation(context.Background(), "charge-7"), s.URL, `{"amount":100}`)
-	req.Header.Set("Authorization", token)
-	resp, err := tr.RoundTrip(req)
+	code, body, err := sendCharge(t, tr.RoundTrip, s.URL, token)
 	require.NoError(t, err)
+	return code, body
+}
+
+// sendCharge sends the charge of operation charge-7 to url with token
+// through send (a RoundTrip, or an http.Client's Do), and reads the
+// response.
+func sendCharge(t *testing.T, send func(*http.Request) (*http.Response, error), url, token string) (int, string, error) {
+	t.Helper()
+	req := post(t, WithOperation(context.Background(), "charge-7"), url, `{"amount":100}`)
+	req.Header.Set("Authorization", token)
+	resp, err := send(req)
+	if err != nil {
+		return 0, "", err
+	}
 	body, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
 	require.NoError(t, resp.Body.Close())
-	return resp.StatusCode, string(body)
+	return resp.StatusCode, string(body), nil
 }
 
 // losingFirstResponse sends through base but loses the first response on
@@ -142,17 +154,7 @@ func TestFourXXAfterTheKeyWasSentKeepsItPending(t *testing.T) {
 			executions.Add(1)
 			http.Error(w, "card declined", http.StatusPaymentRequired)
 		})
-		mw := idemserver.Middleware(idemserver.NewMemoryStore())(refuse)
-		var seen atomic.Int32
-		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if seen.Add(1) == 1 {
-				mw.ServeHTTP(httptest.NewRecorder(), r) // its answer lost
-				hangUp(w, r)
-				return
-			}
-			mw.ServeHTTP(w, r)
-		}))
-		t.Cleanup(srv.Close)
+		srv := newFirstAnswerLost(t, idemserver.Middleware(idemserver.NewMemoryStore())(refuse))
 		store := NewMemoryKeyStore()
 		tr := NewTransport(newBaseTransport(t), WithKeyStore(store), WithBackoff(noWait))
 
@@ -189,16 +191,7 @@ func TestFourXXAfterAFollowedRedirectOfAKeySentBeforeKeepsItPending(t *testing.T
 			return base.RoundTrip(r)
 		}), WithKeyStore(store), WithMaxAttempts(1))}
 		charge := func(token string) (int, string, error) {
-			req := post(t, WithOperation(context.Background(), "charge-7"), moved.URL+"/pay", `{"amount":100}`)
-			req.Header.Set("Authorization", token)
-			resp, err := client.Do(req)
-			if err != nil {
-				return 0, "", err
-			}
-			body, err := io.ReadAll(resp.Body)
-			require.NoError(t, err)
-			require.NoError(t, resp.Body.Close())
-			return resp.StatusCode, string(body), nil
+			return sendCharge(t, client.Do, moved.URL+"/pay", token)
 		}
 		// http.Client keeps Authorization only on a redirect to the same
 		// host or a subdomain; both servers are 127.0.0.1.
@@ -244,15 +237,10 @@ func TestFourXXAfterAFollowedRedirectOfAKeySentBeforeKeepsItPending(t *testing.T
 		t.Cleanup(srv.Close)
 		store := NewMemoryKeyStore()
 		client := &http.Client{Transport: NewTransport(newBaseTransport(t), WithKeyStore(store))}
-		pay := func(tok string) (int, string) {
-			req := post(t, WithOperation(context.Background(), "charge-7"), srv.URL+"/pay", `{"amount":100}`)
-			req.Header.Set("Authorization", tok)
-			resp, err := client.Do(req)
+		pay := func(token string) (int, string) {
+			code, body, err := sendCharge(t, client.Do, srv.URL+"/pay", token)
 			require.NoError(t, err)
-			body, err := io.ReadAll(resp.Body)
-			require.NoError(t, err)
-			require.NoError(t, resp.Body.Close())
-			return resp.StatusCode, string(body)
+			return code, body
 		}
 
 		code, _ := pay("Bearer t1")
@@ -280,17 +268,10 @@ func TestBlankCallerKeyInAnotherSpellingIsReplaced(t *testing.T) {
 				executions.Add(1)
 				w.WriteHeader(http.StatusCreated)
 			}))
-			var seen atomic.Int32
-			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			srv := newFirstAnswerLost(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				fields.add(r.Header.Values("Idempotency-Key"))
-				if seen.Add(1) == 1 {
-					charge.ServeHTTP(httptest.NewRecorder(), r) // its answer lost
-					hangUp(w, r)
-					return
-				}
 				charge.ServeHTTP(w, r)
 			}))
-			t.Cleanup(srv.Close)
 			req := post(t, context.Background(), srv.URL, `{"amount":100}`)
 			req.Header[name] = []string{" "}
 
@@ -305,4 +286,20 @@ func TestBlankCallerKeyInAnotherSpellingIsReplaced(t *testing.T) {
 			assert.Equal(t, []string{" "}, req.Header[name], "caller's header changed")
 		})
 	}
+}
+
+// newFirstAnswerLost serves h, but loses its answer to the first request:
+// h runs, and the connection is closed without a response.
+func newFirstAnswerLost(t *testing.T, h http.Handler) *httptest.Server {
+	var seen atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if seen.Add(1) == 1 {
+			h.ServeHTTP(httptest.NewRecorder(), r)
+			hangUp(w, r)
+			return
+		}
+		h.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	return srv
 }
