@@ -226,18 +226,44 @@ func (b *responseBody) Close() error {
 	return err
 }
 
-// watchedBody is a request body that notes whether it was read. A base
-// transport reads a request's body only once it has a connection to send
-// it on, so a body that was read means the request's header may have
-// reached the server, whatever error the attempt ends with: the body's
-// own read error is what net/http returns then, and it can be any error,
-// one that looks like a refused dial included.
+// bodyWatch notes whether a base transport read an attempt's request
+// body. A base transport reads a request's body only once it has a
+// connection to send it on, so a body that was read means the request's
+// header may have reached the server, whatever error the attempt ends
+// with: the body's own read error is what net/http returns then, and it
+// can be any error, one that looks like a refused dial included. The copies
+// the base transport takes from the attempt's GetBody are watched too: it
+// may send one of them instead of the body it was given, as net/http does
+// when it rewinds a request whose write failed on a reused connection.
+type bodyWatch struct {
+	read    atomic.Bool
+	getBody func() (io.ReadCloser, error) // the attempt's own, or nil
+	first   watchedBody                   // the body the attempt is given
+}
+
+// newBodyWatch returns a watch of body and of the copies getBody makes.
+func newBodyWatch(body io.ReadCloser, getBody func() (io.ReadCloser, error)) *bodyWatch {
+	w := &bodyWatch{getBody: getBody}
+	w.first = watchedBody{ReadCloser: body, watch: w}
+	return w
+}
+
+// rewind is the GetBody of a watched attempt: a copy that is watched too.
+func (w *bodyWatch) rewind() (io.ReadCloser, error) {
+	rc, err := w.getBody()
+	if err != nil {
+		return nil, err
+	}
+	return &watchedBody{ReadCloser: rc, watch: w}, nil
+}
+
+// watchedBody is a request body whose reads its watch notes.
 type watchedBody struct {
 	io.ReadCloser
-	read atomic.Bool
+	watch *bodyWatch
 }
 
 func (b *watchedBody) Read(p []byte) (int, error) {
-	b.read.Store(true)
+	b.watch.read.Store(true)
 	return b.ReadCloser.Read(p)
 }

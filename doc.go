@@ -34,7 +34,8 @@
 //
 // Requests whose method is keyed (POST and PATCH by default) get an
 // Idempotency-Key header unless the caller already set one (a blank value,
-// which reaches the server empty, is none). Without an operation in the
+// which reaches the server empty, is none, and is not sent: net/http would
+// resend a request carrying the field whatever its value). Without an operation in the
 // context the key is a fresh UUIDv7 shared by the attempts of one
 // RoundTrip, and by the request that repeats it after a 307 or 308 that
 // http.Client follows. With [WithOperation] the key comes from the
@@ -45,8 +46,10 @@
 // and has reached the caller, so a later call for the same operation, in
 // this process or the next, sends the same key. Through a
 // redirect that http.Client follows, it stays pending until the outcome of
-// the request that follows reaches the caller; a redirect returned
-// unfollowed leaves it pending (see [Transport]).
+// the request that follows reaches the caller (a 4xx answering the GET
+// that follows a 301, 302 or 303 is never final: the redirect was the
+// key's outcome); a redirect returned unfollowed leaves it pending (see
+// [Transport]).
 //
 // The default [MemoryKeyStore] forgets everything when the process exits. A
 // [FileKeyStore], from [OpenFileKeyStore], keeps pending keys in a file that

@@ -84,38 +84,62 @@ func TestUnkeyedPostRetriedOnlyWhenNothingWasSent(t *testing.T) {
 		assert.Equal(t, 200, resp.StatusCode)
 		assert.Equal(t, int32(2), srv.hits.Load())
 	})
-	t.Run("body failing like a refused dial after the header went out is not retried", func(t *testing.T) {
-		// The server's handler runs once the header has arrived, before
-		// the body: one that takes its arguments from the URL acts then.
-		var arrivals atomic.Int32
-		arrived := make(chan struct{}, 1)
-		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			arrivals.Add(1)
-			arrived <- struct{}{}
-			_, _ = io.Copy(io.Discard, r.Body)
-		}))
-		t.Cleanup(srv.Close)
-		// A body streamed from elsewhere fails with that source's error,
-		// which net/http returns as the attempt's.
-		dialErr := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
-		body := func() io.ReadCloser {
-			return io.NopCloser(readerFunc(func([]byte) (int, error) {
-				<-arrived
-				return 0, dialErr
+	for _, tt := range []struct {
+		name string
+		base func(t *testing.T) http.RoundTripper
+	}{
+		{"body", func(t *testing.T) http.RoundTripper { return newBaseTransport(t) }},
+		// A base transport may send a fresh copy of the body from GetBody
+		// instead of the body it was given, as net/http does when a write
+		// on a reused connection fails before any byte left: it closes the
+		// first body unread and rewinds.
+		{"copy from GetBody", func(t *testing.T) http.RoundTripper {
+			inner := newBaseTransport(t)
+			return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				require.NoError(t, r.Body.Close())
+				fresh, err := r.GetBody()
+				if err != nil {
+					return nil, err
+				}
+				r = r.Clone(r.Context())
+				r.Body = fresh
+				return inner.RoundTrip(r)
+			})
+		}},
+	} {
+		t.Run(tt.name+" failing like a refused dial after the header went out is not retried", func(t *testing.T) {
+			// The server's handler runs once the header has arrived, before
+			// the body: one that takes its arguments from the URL acts then.
+			var arrivals atomic.Int32
+			arrived := make(chan struct{}, 1)
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				arrivals.Add(1)
+				arrived <- struct{}{}
+				_, _ = io.Copy(io.Discard, r.Body)
 			}))
-		}
-		req, err := http.NewRequest(http.MethodPost, srv.URL+"/charge?amount=100", body())
-		require.NoError(t, err)
-		req.GetBody = func() (io.ReadCloser, error) { return body(), nil }
+			t.Cleanup(srv.Close)
+			// A body streamed from elsewhere fails with that source's error,
+			// which net/http returns as the attempt's.
+			dialErr := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+			body := func() io.ReadCloser {
+				return io.NopCloser(readerFunc(func([]byte) (int, error) {
+					<-arrived
+					return 0, dialErr
+				}))
+			}
+			req, err := http.NewRequest(http.MethodPost, srv.URL+"/charge?amount=100", body())
+			require.NoError(t, err)
+			req.GetBody = func() (io.ReadCloser, error) { return body(), nil }
 
-		_, err = NewTransport(newBaseTransport(t), WithKeyedMethods(), WithBackoff(noWait)).RoundTrip(req)
-		require.Error(t, err)
-		assert.ErrorIs(t, err, syscall.ECONNREFUSED)
-		var re *RetryError
-		require.ErrorAs(t, err, &re)
-		assert.Equal(t, ReasonNotRetryable, re.Reason)
-		assert.Equal(t, int32(1), arrivals.Load(), "the handler ran again")
-	})
+			_, err = NewTransport(tt.base(t), WithKeyedMethods(), WithBackoff(noWait)).RoundTrip(req)
+			require.Error(t, err)
+			assert.ErrorIs(t, err, syscall.ECONNREFUSED)
+			var re *RetryError
+			require.ErrorAs(t, err, &re)
+			assert.Equal(t, ReasonNotRetryable, re.Reason)
+			assert.Equal(t, int32(1), arrivals.Load(), "the handler ran again")
+		})
+	}
 	t.Run("refused dial is retried", func(t *testing.T) {
 		addr := closedPort(t)
 		var attempts []Attempt

@@ -62,8 +62,13 @@ import (
 // in front of the server's idempotency, such as authentication refusing a
 // token that expired since the first attempt, answers without looking at
 // the key, while the first attempt may have acted. The next call with the
-// operation's id sends the key again and gets that replay. A 2xx or a
-// final 3xx is final whenever it comes.
+// operation's id sends the key again and gets that replay. The request
+// that follows a 307 or 308 sends the key again, so its 4xx is final only
+// when the send the redirect answered was the key's first; the GET that
+// follows a 301, 302 or 303 carries none of the key, and a 4xx answering it
+// is never the key's outcome (the redirect was, and the server acted), so
+// the key stays pending and the next call gets the redirect replayed and
+// follows it again. A 2xx or a final 3xx is final whenever it comes.
 //
 // A 307 or 308 asks for the same request to be sent to another URL, so it
 // does not end the request's operation: when [http.Client] follows it, the
@@ -208,6 +213,11 @@ type call struct {
 	// watchBody: the request may be sent again only if nothing reached the
 	// server, so each attempt notes whether its body was read.
 	watchBody bool
+	// dropBlankKey: the caller's header holds a blank field of the key's
+	// name, which is no key, and no key is added; attempts leave it out,
+	// for net/http resends a request carrying an Idempotency-Key field of
+	// any value after it may have reached the server.
+	dropBlankKey bool
 	// opKey is the operation's pending key: key, or, for a request that
 	// follows a 301, 302 or 303, the key of the request redirected, which
 	// this one does not carry.
@@ -215,8 +225,9 @@ type call struct {
 	// owner is the Transport whose KeyStore holds opKey, when it is not
 	// this one: a redirect's request may be followed through another.
 	owner *Transport
-	// carried: opKey was pending before this call, so an earlier call may
-	// have sent it and the server acted on it.
+	// carried: opKey may have reached the server before this call's first
+	// attempt: it was pending before the call, or the redirect this call
+	// follows answered a send of it that was not its first.
 	carried bool
 
 	host     string          // scheme://host:port, for per-host state
@@ -275,11 +286,11 @@ func (c *call) run() (*http.Response, error) {
 func (c *call) deliver(n int, o outcome) *http.Response {
 	resp := o.resp
 	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
-	if release && resp.StatusCode >= 400 && c.keySentBefore(n) && !replayed(resp.Header) {
+	if release && resp.StatusCode >= 400 && !c.fourXXSettles(n, resp.Header) {
 		release = false
 	}
 	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
-		c.linkRedirect(resp)
+		c.linkRedirect(resp, c.keySentBefore(n))
 	}
 	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
@@ -310,20 +321,32 @@ type upgradedBody struct {
 
 func (b upgradedBody) Write(p []byte) (int, error) { return b.w.Write(p) }
 
-// keySentBefore reports whether attempt n carries the operation's key and
-// the key may have reached the server before it: with an earlier attempt
-// of this call, or with an earlier call, which left it pending.
+// fourXXSettles reports whether a 4xx that is not retried, answering
+// attempt n with header fields h, is the final outcome of the operation's
+// key: the answer to the key's first send, or the server's replay of the
+// outcome it stored for the key (see replayed).
 //
-// A 4xx that answers such an attempt does not end the operation unless the
-// server says it replays the outcome it stored for the key (see replayed).
-// A layer in front of the server's idempotency may have answered without
-// looking at the key (authentication refusing a token that expired since
-// the first attempt, a gateway), and the attempt before may have acted:
-// forgetting the key then would let the next call act again under a new
-// one. Kept pending, the key goes with the next call, and the server
-// replays its outcome.
+// Once the key may have reached the server before, a layer in front of the
+// server's idempotency may have answered without looking at the key
+// (authentication refusing a token that expired since the first attempt, a
+// gateway) while the earlier send acted: forgetting the key then would let
+// the next call act again under a new one. Kept pending, the key goes with
+// the next call, and the server replays its outcome. A request that
+// follows a 301, 302 or 303 carries none of the operation's key: the key's
+// outcome was the redirect, and no answer to the GET is that outcome.
+func (c *call) fourXXSettles(n int, h http.Header) bool {
+	if c.key != c.opKey {
+		return false
+	}
+	return !c.keySentBefore(n) || replayed(h)
+}
+
+// keySentBefore reports whether the operation's key may have reached the
+// server before attempt n: with an earlier attempt of this call, with an
+// earlier call, which left it pending, or with an attempt that a redirect
+// this request follows answered when the key had been sent before it.
 func (c *call) keySentBefore(n int) bool {
-	return (n > 1 || c.carried) && c.key == c.opKey
+	return n > 1 || c.carried
 }
 
 // replayed reports whether a response is the outcome a server stored for
@@ -361,7 +384,8 @@ func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Res
 // a 301, 302 or 303 is another request, which must not carry that key.
 func (c *call) assignKey() error {
 	cfg := &c.t.cfg
-	c.key = callerKey(c.req.Header, cfg.keyHeader)
+	var blankKey bool
+	c.key, blankKey = callerKey(c.req.Header, cfg.keyHeader)
 	linked := c.req.Response != nil && c.followLink()
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.method) {
 		key := c.redirectedKey()
@@ -404,6 +428,7 @@ func (c *call) assignKey() error {
 	}
 	c.resend = idempotentMethod(c.method) || c.key != ""
 	c.watchBody = !c.resend && c.body.replayable
+	c.dropBlankKey = blankKey && c.key == ""
 	return nil
 }
 
@@ -436,6 +461,9 @@ func (c *call) redirectedKey() string {
 type redirectLink struct {
 	owner          *Transport
 	operation, key string
+	// sentBefore: the key may have reached the server before the attempt
+	// the redirect answered (see keySentBefore).
+	sentBefore bool
 }
 
 // redirectLinkKey is the context key of a redirectLink.
@@ -449,9 +477,11 @@ type redirectLinkKey struct{}
 // otherwise have no way to find the operation's; a 307 or 308 is followed by
 // the same request, which finds the key in the attempt's header, but a GET
 // that follows a 301 and is redirected again needs the link as well.
-func (c *call) linkRedirect(resp *http.Response) {
+// sentBefore says whether the key may have reached the server before the
+// attempt resp answers; the request that follows inherits it.
+func (c *call) linkRedirect(resp *http.Response, sentBefore bool) {
 	r := resp.Request // set by attempt if the base transport did not
-	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey})
+	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey, sentBefore})
 	resp.Request = r.WithContext(ctx)
 }
 
@@ -474,7 +504,7 @@ func (c *call) followLink() bool {
 	if op, ok := OperationFrom(c.ctx); !ok || op != l.operation {
 		return false
 	}
-	c.operation, c.opKey, c.pending = l.operation, l.key, true
+	c.operation, c.opKey, c.pending, c.carried = l.operation, l.key, true, l.sentBefore
 	if l.owner != c.t {
 		c.owner = l.owner
 	}
@@ -605,10 +635,13 @@ func (c *call) attempt(n int) outcome {
 		o.err, o.unsent = err, true
 		return o
 	}
-	var watch *watchedBody
+	var watch *bodyWatch
 	if c.watchBody && body != nil && body != http.NoBody {
-		watch = &watchedBody{ReadCloser: body}
-		body = watch
+		watch = newBodyWatch(body, getBody)
+		body = &watch.first
+		if getBody != nil {
+			getBody = watch.rewind
+		}
 	}
 	r := c.attemptRequest(o.ctx, ownCtx)
 	r.Body, r.GetBody = body, getBody
@@ -665,22 +698,28 @@ func headerValue(h http.Header, key string) string {
 // A blank value (empty, or only spaces and tabs) is no key: a field's value
 // loses its surrounding white space on the way, and the server reads an
 // empty one as no key, so a request sent again on its strength would run
-// again.
-func callerKey(h http.Header, key string) string {
+// again. blankField reports whether, without a key, h holds such a field.
+func callerKey(h http.Header, key string) (value string, blankField bool) {
 	if len(h) == 0 {
-		return ""
+		return "", false
 	}
-	if v := headerValue(h, key); !blank(v) {
-		return v
+	if vv := h[key]; len(vv) > 0 {
+		if !blank(vv[0]) {
+			return vv[0], false
+		}
+		blankField = true
 	}
 	for k, vv := range h {
 		// Equal lengths first: EqualFold is dearer, and a name of another
 		// length cannot match.
-		if len(k) == len(key) && len(vv) > 0 && !blank(vv[0]) && strings.EqualFold(k, key) {
-			return vv[0]
+		if len(k) == len(key) && len(vv) > 0 && strings.EqualFold(k, key) {
+			if !blank(vv[0]) {
+				return vv[0], false
+			}
+			blankField = true
 		}
 	}
-	return ""
+	return "", blankField
 }
 
 // blank reports whether a header field value is empty once the spaces and
@@ -718,7 +757,7 @@ func (c *call) attemptRequest(ctx context.Context, ownCtx bool) *http.Request {
 	switch {
 	case c.keyValue != "":
 		r.Header = c.attemptHeader(new([1]string))
-	case !c.t.baseReadsOnly || r.Header == nil:
+	case !c.t.baseReadsOnly || r.Header == nil || c.dropBlankKey:
 		r.Header = c.attemptHeader(nil)
 	}
 	return r
@@ -730,11 +769,22 @@ func (c *call) attemptRequest(ctx context.Context, ownCtx bool) *http.Request {
 // caller or a later attempt. Like http.Header.Clone, it copies all values
 // into one backing array, unless the base transport is net/http's, which
 // only reads them: then the caller's values themselves are shared.
+//
+// A key added replaces the caller's field of that name under any spelling:
+// callerKey found none but blank ones there, and a blank field sent beside
+// the key would make two, which a server reads as a malformed key or takes
+// either of. Without a key, a blank field is left out (see dropBlankKey).
 func (c *call) attemptHeader(keySlot *[1]string) http.Header {
 	src := c.req.Header
 	h := make(http.Header, len(src)+1)
+	name := c.t.cfg.keyHeader
+	drop := keySlot != nil || c.dropBlankKey
+	replaced := func(k string) bool { return drop && len(k) == len(name) && strings.EqualFold(k, name) }
 	if c.t.baseReadsOnly {
 		for k, vv := range src {
+			if replaced(k) {
+				continue
+			}
 			h[k] = vv
 		}
 	} else {
@@ -744,6 +794,9 @@ func (c *call) attemptHeader(keySlot *[1]string) http.Header {
 		}
 		values := make([]string, n)
 		for k, vv := range src {
+			if replaced(k) {
+				continue
+			}
 			if vv == nil {
 				h[k] = nil
 				continue

@@ -815,3 +815,41 @@ func TestUpgradedConnectionStaysWritable(t *testing.T) {
 		})
 	}
 }
+
+// net/http itself resends a request whose header holds an Idempotency-Key
+// field, whatever its value, when the connection it reused was closed
+// after the request went out. A blank field is no key, so the request that
+// carries it must not be resent once it may have reached the server: the
+// attempt leaves the blank field out, and net/http with it.
+func TestBlankCallerKeyIsNotResentByTheBaseTransport(t *testing.T) {
+	for _, blank := range []string{"", " ", "\t"} {
+		t.Run(fmt.Sprintf("%q", blank), func(t *testing.T) {
+			var charges atomic.Int32
+			var fields recorder[[]string]
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Method != "CHARGE" {
+					return
+				}
+				fields.add(r.Header.Values("Idempotency-Key"))
+				if charges.Add(1) == 1 {
+					hangUp(w, r) // charged; the response is lost
+				}
+			}))
+			t.Cleanup(srv.Close)
+			tr := NewTransport(newBaseTransport(t), WithBackoff(noWait))
+			warm, err := http.NewRequest(http.MethodGet, srv.URL, nil)
+			require.NoError(t, err)
+			do(t, tr, warm) // a connection for the charge to reuse
+			req, err := http.NewRequest("CHARGE", srv.URL, strings.NewReader("charge"))
+			require.NoError(t, err)
+			req.Header["Idempotency-Key"] = []string{blank}
+
+			_, err = tr.RoundTrip(req)
+
+			require.Error(t, err, "the response was lost")
+			assert.Equal(t, int32(1), charges.Load(), "the charge ran again")
+			assert.Equal(t, [][]string{nil}, fields.all(), "a blank key field was sent")
+			assert.Equal(t, []string{blank}, req.Header["Idempotency-Key"], "caller's header changed")
+		})
+	}
+}
