@@ -201,11 +201,12 @@ func TestStreamedResponseReplaysItsContentType(t *testing.T) {
 
 // Handlers that write their responses in many ways (fields set and
 // deleted, statuses, 1xx, flushes, bodies that sniff as different types,
-// bodies over the storage limit), behind each kind of store, reach the
-// client the same on the first response and on its replay: the same
-// status, the same header fields but those of the connection and the
-// replay mark, and the same body. The steps are drawn from a seeded source,
-// so a failure names a seed that repeats it.
+// a Transfer-Encoding of their own, bodies over the storage limit), behind
+// each kind of store, over HTTP/1 and HTTP/2, reach the client the same on
+// the first response and on its replay: the same status, the same header
+// fields but those of the connection and the replay mark, and the same
+// body. The steps are drawn from a seeded source, so a failure names a
+// seed that repeats it.
 func TestRandomHandlersReplayTheirFirstResponse(t *testing.T) {
 	type step struct {
 		op  string
@@ -213,7 +214,7 @@ func TestRandomHandlersReplayTheirFirstResponse(t *testing.T) {
 	}
 	bodies := []string{"", " ", "<html>", "hello", `{"a":1}`, "\x00\x01binary", "%PDF-1.4", strings.Repeat("x", 600)}
 	statuses := []string{"200", "201", "204", "304", "400", "409", "410", "422"}
-	ops := []string{"type", "status", "write", "write", "flush", "encoding", "field", "no type", "103"}
+	ops := []string{"type", "status", "write", "write", "flush", "encoding", "field", "no type", "103", "transfer"}
 	for seed := range uint64(300) {
 		rng := rand.New(rand.NewPCG(seed, 0))
 		steps := make([]step, 1+rng.IntN(6))
@@ -228,6 +229,8 @@ func TestRandomHandlersReplayTheirFirstResponse(t *testing.T) {
 				s.arg = bodies[rng.IntN(len(bodies))]
 			case "encoding":
 				s.arg = []string{"gzip", ""}[rng.IntN(2)]
+			case "transfer":
+				s.arg = []string{"chunked", "identity", ""}[rng.IntN(3)]
 			case "field":
 				s.arg = strconv.Itoa(rng.IntN(3))
 			}
@@ -236,8 +239,8 @@ func TestRandomHandlersReplayTheirFirstResponse(t *testing.T) {
 		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			for _, s := range steps {
 				switch s.op {
-				case "type", "encoding":
-					name := map[string]string{"type": "Content-Type", "encoding": "Content-Encoding"}[s.op]
+				case "type", "encoding", "transfer":
+					name := map[string]string{"type": "Content-Type", "encoding": "Content-Encoding", "transfer": "Transfer-Encoding"}[s.op]
 					if s.arg == "" {
 						w.Header().Del(name)
 					} else {
@@ -270,9 +273,13 @@ func TestRandomHandlersReplayTheirFirstResponse(t *testing.T) {
 		stored := make(chan struct{}, 2)
 		mw := Middleware(stores[rng.IntN(len(stores))](), WithMaxResponseBytes(limit),
 			WithObserver(func(Event) { stored <- struct{}{} }))(h)
-		srv := httptest.NewServer(mw)
+		srv := httptest.NewUnstartedServer(mw)
+		http2 := seed%2 == 1
+		srv.EnableHTTP2 = http2
+		srv.StartTLS()
+		client := srv.Client()
 		// The body is read as sent, whatever its Content-Encoding.
-		client := &http.Client{Transport: &http.Transport{DisableCompression: true}}
+		client.Transport.(*http.Transport).DisableCompression = true
 		post := func() (int, http.Header, string) {
 			req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("b"))
 			require.NoError(t, err)
@@ -280,6 +287,7 @@ func TestRandomHandlersReplayTheirFirstResponse(t *testing.T) {
 			resp, err := client.Do(req)
 			require.NoError(t, err)
 			defer resp.Body.Close()
+			require.Equal(t, http2, resp.ProtoMajor == 2)
 			body, err := io.ReadAll(resp.Body)
 			require.NoError(t, err, "seed %d: %+v", seed, steps)
 			<-stored
