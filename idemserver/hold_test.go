@@ -253,3 +253,38 @@ func TestRetryRequestReportsTheEvictionsOfEveryClaim(t *testing.T) {
 		})
 	}
 }
+
+// TestRetryRequestLeavesTheStoresEvictionsAlone: the evictions a store
+// reports belong to it; the middleware must not write into their backing
+// array when it adds a rerun's claim's to a discarded attempt's.
+func TestRetryRequestLeavesTheStoresEvictionsAlone(t *testing.T) {
+	store := holdingStore{&stubStore{MemoryStore: NewMemoryStore()}}
+	kept := []Eviction{{Key: Key{Key: "first"}}, {Key: Key{Key: "the store's own"}}}
+	claims := 0
+	store.claim = func(ctx context.Context, c Claim) (ClaimResult, error) {
+		res, err := store.MemoryStore.Claim(ctx, c)
+		switch claims++; claims {
+		case 1:
+			res.Evictions = kept[:1] // a view with room behind it
+		case 2:
+			res.Evictions = []Eviction{{Key: Key{Key: "second"}}}
+		}
+		return res, err
+	}
+	discarded := false
+	store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+		if !discarded {
+			discarded = true
+			_ = store.MemoryStore.Release(ctx, k, token)
+			return fmt.Errorf("%w: %w", ErrRolledBack, ErrRetryRequest)
+		}
+		return store.MemoryStore.Complete(ctx, k, token, resp, exp)
+	}
+	var events []Event
+	mw := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(&countingHandler{})
+	serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	require.True(t, discarded)
+	require.Len(t, events, 1)
+	assert.Equal(t, []Eviction{{Key: Key{Key: "first"}}, {Key: Key{Key: "second"}}}, events[0].Evictions)
+	assert.Equal(t, Key{Key: "the store's own"}, kept[1].Key, "the store's array was written to")
+}

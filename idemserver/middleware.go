@@ -10,6 +10,7 @@ import (
 	"math"
 	"net/http"
 	"os"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -336,17 +337,18 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		case err != nil:
 			detail := "the idempotency store could not be reached; the request was not processed"
 			switch {
+			case errors.Is(err, ErrStoreMisconfigured): // first: waiting does not mend it
+				detail = "the idempotency store refuses requests until its configuration is fixed; the request was not processed"
 			case errors.Is(err, ErrStoreFull):
 				detail = "the idempotency store is full; the request was not processed"
-			case errors.Is(err, ErrStoreMisconfigured):
-				detail = "the idempotency store refuses requests until its configuration is fixed; the request was not processed"
 			}
 			writeProblem(w, ProblemStoreUnavailable, http.StatusServiceUnavailable, detail, cfg.retryAfter)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: evicted})
 			return
 		case res.Claimed:
 			if evicted != nil {
-				res.Evictions = append(evicted, res.Evictions...)
+				// A new slice: the store's may share an array it keeps.
+				res.Evictions = slices.Concat(evicted, res.Evictions)
 			}
 			if m.run(w, r, key, c, sent, &res, bufs, reruns < MaxReruns) {
 				// The store discarded the attempt and asked for another.

@@ -87,8 +87,11 @@ import (
 // clock of its own (a database's now()) instead, as long as it uses that
 // clock for every record. A store may keep and return the [Response] given
 // to Complete; no one may modify it afterwards. An error from Claim or
-// TakeOver means the store could not be asked: the middleware answers 503
-// with Retry-After and does not run the handler.
+// TakeOver means the store could not be asked, or refused the claim (it is
+// full, [ErrStoreFull], or refuses claims until its configuration is
+// fixed, [ErrStoreMisconfigured]): the middleware answers 503 with
+// Retry-After and does not run the handler. The evictions a ClaimResult
+// lists stay the store's; the middleware does not modify them.
 type Store interface {
 	// Claim inserts an in-progress record for c.Key holding c's lease token
 	// and fingerprint, unless a record that has not expired exists, and
