@@ -190,7 +190,9 @@ WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock, taken without
 		// waiting, it inserts the claim; it always returns one row, with
-		// the lock and the process that holds it (see held). The
+		// the lock, the process that holds it and, when it holds it, the
+		// transaction's id (see held), which the insert, or the replace
+		// that follows, assigns anyway. The
 		// lock is the key's (see lockID) mixed with the table's oid: a
 		// name without a schema names a different table under each
 		// search_path, and those tables' keys must not share locks.
@@ -204,18 +206,28 @@ WHERE scope = $1 AND key = $2`),
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true AS claimed
 )
-SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, ` + rowColumns + `
+SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, CASE WHEN lock.locked THEN txid_current() END, ` + rowColumns + `
 FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
 		// held reports whether a claim of transactional mode still
 		// holds its key: whether the process $1 holds the advisory lock
-		// $2, which it does until its transaction ends, or else the
-		// claim's row, with its token $5, committed (by a handler that
-		// committed the transaction itself). An advisory lock on a bigint
-		// shows in pg_locks as its high and low 32 bits, with objsubid 1.
-		held: r.Replace(`SELECT EXISTS (SELECT FROM pg_locks
-WHERE locktype = 'advisory' AND pid = $1 AND granted AND objsubid = 1
+		// $2 in the transaction $6, which it does until the transaction
+		// ends, or else the claim's row, with its token $5, committed (by
+		// a handler that committed the transaction itself). The pid alone
+		// does not name the claim's session: once that ended, a new one
+		// may get its pid (a restarted server's processes get the same
+		// pids again, and a busy server's wrap around) and the duplicate's
+		// transaction there holds the same lock; a transaction id is not
+		// given twice by one server. A transaction holds the lock of its
+		// own id, which shows in pg_locks as its low 32 bits; an advisory
+		// lock on a bigint shows as its high and low 32 bits, with
+		// objsubid 1.
+		held: r.Replace(`WITH l AS MATERIALIZED (
+	SELECT locktype, database, classid, objid, objsubid, transactionid FROM pg_locks WHERE pid = $1 AND granted
+)
+SELECT EXISTS (SELECT FROM l WHERE locktype = 'advisory' AND objsubid = 1
 	AND classid = (($2::int8 >> 32) & 4294967295)::oid AND objid = ($2::int8 & 4294967295)::oid
 	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+AND EXISTS (SELECT FROM l WHERE locktype = 'transactionid' AND transactionid = ($6::int8 & 4294967295)::text::xid)
 OR EXISTS (SELECT FROM {table} WHERE scope = $3 AND key = $4 AND token = $5)`),
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows

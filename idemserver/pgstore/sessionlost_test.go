@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"errors"
 	"net/http"
+	"os"
+	"strconv"
 	"testing"
 	"time"
 
@@ -156,4 +158,72 @@ func TestTransactionalHandlerThatEndsTxItselfKeepsRunning(t *testing.T) {
 			assert.Equal(t, tt.status, status, body)
 		})
 	}
+}
+
+// connectWithPid opens a pool of one connection on db's schema whose server
+// process has the pid that the ended process pid had, as a restarted server
+// (whose processes, in a container, get the same pids again) or a busy one
+// (whose pids wrap around) gives a new session. It sets the kernel's last
+// pid, which takes privileges: without them the test skips. Another process
+// of the machine may take the pid first; it tries again then.
+func connectWithPid(t *testing.T, db *testDB, pid int) *sql.DB {
+	t.Helper()
+	const lastPid = "/proc/sys/kernel/ns_last_pid"
+	for range 50 {
+		pool := db.open(t, 1)
+		if err := os.WriteFile(lastPid, []byte(strconv.Itoa(pid-1)), 0); err != nil {
+			t.Skipf("a session cannot be given a pid here: %v", err)
+		}
+		var got int
+		require.NoError(t, pool.QueryRowContext(t.Context(), "SELECT pg_backend_pid()").Scan(&got))
+		if got == pid {
+			return pool
+		}
+		require.NoError(t, pool.Close())
+	}
+	t.Skip("the machine's other processes took the pid every time")
+	return nil
+}
+
+func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
+	// The server ends the session of a claim while its handler runs, and
+	// a duplicate claims the key at once, on a new session whose server
+	// process happens to have the pid the claim's had: after a restart of
+	// a server in a container the pids come again in the same order, and a
+	// server's pids wrap around. The duplicate's transaction holds the
+	// key's advisory lock under that pid. Extend must still report the
+	// first claim lost: its handler would otherwise go on acting beside
+	// the duplicate's.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	c := testClaim("k", time.Minute)
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	ctx := res.Context
+	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(ctx), c.Key, c.Token) })
+
+	var pid int
+	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	var ok bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", pid).Scan(&ok))
+	require.True(t, ok)
+
+	pool := connectWithPid(t, db, pid)
+	pool.SetMaxOpenConns(2) // one for the duplicate's claim, one for its check
+	dup, err := New(pool, WithTable(s.table.name), WithTransactional())
+	require.NoError(t, err)
+	d := testClaim("k", time.Minute)
+	d.Token = "token-duplicate"
+	dres, err := dup.Claim(t.Context(), d)
+	require.NoError(t, err)
+	require.True(t, dres.Claimed, "the first claim's session ended: the duplicate claims the key")
+	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
+	var dupPid int
+	require.NoError(t, Tx(dres.Context).QueryRowContext(dres.Context, "SELECT pg_backend_pid()").Scan(&dupPid))
+	require.Equal(t, pid, dupPid)
+
+	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost,
+		"the duplicate holds the key, in a session of the same pid")
+	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
 }

@@ -73,6 +73,7 @@ type txState struct {
 	key   idemserver.Key
 	token string
 	pid   int64       // the server process of the transaction
+	xid   int64       // the transaction's id (txid_current)
 	lock  int64       // the key's advisory lock, which the transaction holds
 	rerun atomic.Bool // the handler asked for a rerun
 	ended atomic.Bool // committed or rolled back
@@ -172,10 +173,12 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 		}
 		var (
 			locked, won bool
+			xid         sql.NullInt64
 			r           row
 		)
 		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
-			Scan(append([]any{&locked, &won, &st.pid, &st.lock}, r.dest()...)...)
+			Scan(append([]any{&locked, &won, &st.pid, &st.lock, &xid}, r.dest()...)...)
+		st.xid = xid.Int64
 		switch {
 		case err == nil && won:
 			return claimed(st)
@@ -271,8 +274,9 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 // duplicate may run at once. The claim's own connection is not asked: the
 // handler may be using it, and a statement there would count as activity
 // against idle_in_transaction_session_timeout. Another connection asks
-// whether the claim's server process still holds the key's advisory lock,
-// or else the claim's row was committed, by a handler that committed the
+// whether the claim's server process still holds the key's advisory lock
+// in the claim's transaction (by its id: a new session may have the ended
+// one's pid, and a duplicate's transaction there the same lock), or else the claim's row was committed, by a handler that committed the
 // transaction itself (against Tx's contract; its claim still holds the
 // key). Only that answer reports the claim lost: a check that cannot be
 // made (no free pool connection within the store's bound, a failure)
@@ -280,7 +284,7 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 func (s *Store) extendTx(ctx context.Context, st *txState) error {
 	var held bool
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
-		err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, []byte(st.key.Scope), st.key.Key, st.token).Scan(&held)
+		err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, []byte(st.key.Scope), st.key.Key, st.token, st.xid).Scan(&held)
 		_ = conn.Close()
 		return err
 	})
