@@ -209,26 +209,25 @@ WHERE scope = $1 AND key = $2`),
 SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, CASE WHEN lock.locked THEN txid_current() END, ` + rowColumns + `
 FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
 		// held reports whether a claim of transactional mode still
-		// holds its key: whether the process $1 holds the advisory lock
-		// $2 in the transaction $6, which it does until the transaction
-		// ends, or else the claim's row, with its token $5, committed (by
-		// a handler that committed the transaction itself). The pid alone
-		// does not name the claim's session: once that ended, a new one
-		// may get its pid (a restarted server's processes get the same
-		// pids again, and a busy server's wrap around) and the duplicate's
-		// transaction there holds the same lock; a transaction id is not
-		// given twice by one server. A transaction holds the lock of its
-		// own id, which shows in pg_locks as its low 32 bits; an advisory
-		// lock on a bigint shows as its high and low 32 bits, with
-		// objsubid 1.
-		held: r.Replace(`WITH l AS MATERIALIZED (
+		// holds its key's lock: whether the process $1 holds the advisory
+		// lock $2 in the transaction $3, which it does until the
+		// transaction ends. The pid alone does not name the claim's
+		// session: once that ended, a new one may get its pid (a restarted
+		// server's processes get the same pids again, and a busy server's
+		// wrap around) and the duplicate's transaction there holds the
+		// same lock; a transaction id is not given twice by one server. A
+		// transaction holds the lock of its own id, which shows in
+		// pg_locks as its low 32 bits; an advisory lock on a bigint shows
+		// as its high and low 32 bits, with objsubid 1. Whether the claim's
+		// row was committed instead is the next statement's question (see
+		// extendTx), not this one's.
+		held: `WITH l AS MATERIALIZED (
 	SELECT locktype, database, classid, objid, objsubid, transactionid FROM pg_locks WHERE pid = $1 AND granted
 )
 SELECT EXISTS (SELECT FROM l WHERE locktype = 'advisory' AND objsubid = 1
 	AND classid = (($2::int8 >> 32) & 4294967295)::oid AND objid = ($2::int8 & 4294967295)::oid
 	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-AND EXISTS (SELECT FROM l WHERE locktype = 'transactionid' AND transactionid = ($6::int8 & 4294967295)::text::xid)
-OR EXISTS (SELECT FROM {table} WHERE scope = $3 AND key = $4 AND token = $5)`),
+AND EXISTS (SELECT FROM l WHERE locktype = 'transactionid' AND transactionid = ($3::int8 & 4294967295)::text::xid)`,
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of

@@ -4,9 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"net/http"
 	"os"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -226,4 +228,46 @@ func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
 	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost,
 		"the duplicate holds the key, in a session of the same pid")
 	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
+}
+
+func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
+	// A handler commits Tx itself while extensions of its claim are
+	// checked. The commit releases the key's lock and makes the claim's
+	// row visible, in that order; a check that read both under one
+	// statement's snapshot, taken before the commit, would see neither
+	// and report the claim lost, and the handler, cut short, would
+	// answer 5xx, whose release lets a retry run its committed work
+	// again.
+	db := newTestDB(t, 8)
+	s := db.newStore(t, WithTransactional())
+	for i := range 200 {
+		c := testClaim(fmt.Sprintf("k%d", i), time.Minute)
+		res, err := s.Claim(t.Context(), c)
+		require.NoError(t, err)
+		require.True(t, res.Claimed)
+		ctx := res.Context
+
+		checked := make(chan error)
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		for range 3 {
+			wg.Go(func() {
+				for {
+					select {
+					case <-stop:
+						return
+					case checked <- s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)):
+					}
+				}
+			})
+		}
+		require.NoError(t, <-checked)
+		require.NoError(t, Tx(ctx).Commit())
+		for range 9 { // some checks span the commit, and some follow it
+			require.NoError(t, <-checked, "a claim whose handler committed it, at try %d", i)
+		}
+		close(stop)
+		wg.Wait()
+		require.NoError(t, s.Release(context.WithoutCancel(ctx), c.Key, c.Token))
+	}
 }

@@ -276,16 +276,30 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 // against idle_in_transaction_session_timeout. Another connection asks
 // whether the claim's server process still holds the key's advisory lock
 // in the claim's transaction (by its id: a new session may have the ended
-// one's pid, and a duplicate's transaction there the same lock), or else the claim's row was committed, by a handler that committed the
-// transaction itself (against Tx's contract; its claim still holds the
-// key). Only that answer reports the claim lost: a check that cannot be
-// made (no free pool connection within the store's bound, a failure)
-// reports nothing, since a claim, unlike a lease, does not end with time.
+// one's pid, and a duplicate's transaction there the same lock), and only
+// if it does not, whether the claim's row was committed, by a handler that
+// committed the transaction itself (against Tx's contract; its claim still
+// holds the key). The row is read by a statement of its own, whose
+// snapshot is taken after the lock was seen gone: a transaction releases
+// its locks only once its commit is visible, but a statement's snapshot
+// is taken when it starts, and one statement that read both could see the
+// lock released by a commit it did not see. Only that answer reports the
+// claim lost: a check that cannot be made (no free pool connection within
+// the store's bound, a failure) reports nothing, since a claim, unlike a
+// lease, does not end with time.
 func (s *Store) extendTx(ctx context.Context, st *txState) error {
 	var held bool
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
-		err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, []byte(st.key.Scope), st.key.Key, st.token, st.xid).Scan(&held)
-		_ = conn.Close()
+		defer conn.Close()
+		if err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, st.xid).Scan(&held); err != nil || held {
+			return err
+		}
+		var r row
+		err := conn.QueryRowContext(ctx, s.q.read, []byte(st.key.Scope), st.key.Key).Scan(r.dest()...)
+		held = err == nil && r.token.Valid && r.token.String == st.token
+		if errors.Is(err, sql.ErrNoRows) {
+			err = nil
+		}
 		return err
 	})
 	if err == nil && !held {
