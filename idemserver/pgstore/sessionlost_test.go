@@ -66,12 +66,7 @@ func TestTransactionalExtendHoldsWhileTheTransactionIsOpen(t *testing.T) {
 	// check cannot be made because the claims hold every pool connection.
 	db := newTestDB(t, 1)
 	s := db.newStore(t, WithTransactional(), WithPoolWait(50*time.Millisecond))
-	c := testClaim("k", time.Minute)
-	res, err := s.Claim(t.Context(), c)
-	require.NoError(t, err)
-	require.True(t, res.Claimed)
-	ctx := res.Context
-	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(ctx), c.Key, c.Token) })
+	c, ctx := openClaim(t, s, "k")
 
 	// The claim holds the pool's one connection: the check finds none.
 	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
@@ -88,13 +83,34 @@ func TestTransactionalExtendHoldsWhileTheTransactionIsOpen(t *testing.T) {
 	require.NoError(t, s.Release(res2.Context, other.Key, other.Token))
 	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
 
-	var pid int
-	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	pid := backendPid(t, ctx)
 	_, err = db.ExecContext(t.Context(), "SELECT pg_terminate_backend($1)", pid)
 	require.NoError(t, err)
 	assert.Eventually(t, func() bool {
 		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
 	}, 10*time.Second, time.Millisecond, "the claim's session ended")
+}
+
+// openClaim claims key in transactional store s, and releases the claim
+// when the test ends. It returns the claim and the claimed request's
+// context.
+func openClaim(t *testing.T, s *Store, key string) (idemserver.Claim, context.Context) {
+	t.Helper()
+	c := testClaim(key, time.Minute)
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(res.Context), c.Key, c.Token) })
+	return c, res.Context
+}
+
+// backendPid returns the pid of the server process of the transaction of
+// the claimed request whose context is ctx.
+func backendPid(t *testing.T, ctx context.Context) int {
+	t.Helper()
+	var pid int
+	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	return pid
 }
 
 // extendsSeen is a Store that sends the error of each Extend to extends.
@@ -198,15 +214,9 @@ func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
 	// the duplicate's.
 	db := newTestDB(t, 2)
 	s := db.newStore(t, WithTransactional())
-	c := testClaim("k", time.Minute)
-	res, err := s.Claim(t.Context(), c)
-	require.NoError(t, err)
-	require.True(t, res.Claimed)
-	ctx := res.Context
-	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(ctx), c.Key, c.Token) })
+	c, ctx := openClaim(t, s, "k")
 
-	var pid int
-	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	pid := backendPid(t, ctx)
 	var ok bool
 	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", pid).Scan(&ok))
 	require.True(t, ok)
@@ -221,9 +231,7 @@ func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, dres.Claimed, "the first claim's session ended: the duplicate claims the key")
 	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
-	var dupPid int
-	require.NoError(t, Tx(dres.Context).QueryRowContext(dres.Context, "SELECT pg_backend_pid()").Scan(&dupPid))
-	require.Equal(t, pid, dupPid)
+	require.Equal(t, pid, backendPid(t, dres.Context))
 
 	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost,
 		"the duplicate holds the key, in a session of the same pid")
@@ -241,11 +249,7 @@ func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
 	db := newTestDB(t, 8)
 	s := db.newStore(t, WithTransactional())
 	for i := range 200 {
-		c := testClaim(fmt.Sprintf("k%d", i), time.Minute)
-		res, err := s.Claim(t.Context(), c)
-		require.NoError(t, err)
-		require.True(t, res.Claimed)
-		ctx := res.Context
+		c, ctx := openClaim(t, s, fmt.Sprintf("k%d", i))
 
 		checked := make(chan error)
 		stop := make(chan struct{})
@@ -268,6 +272,6 @@ func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
 		}
 		close(stop)
 		wg.Wait()
-		require.NoError(t, s.Release(context.WithoutCancel(ctx), c.Key, c.Token))
+		require.NoError(t, s.Release(context.WithoutCancel(ctx), c.Key, c.Token)) // frees its connection
 	}
 }
