@@ -192,10 +192,10 @@ WHERE scope = $1 AND key = $2`),
 		// waiting, it inserts the claim; it always returns one row, with
 		// the lock, the process that holds it and, when it holds it, the
 		// transaction's id (see held), which the insert, or the replace
-		// that follows, assigns anyway. The
-		// lock is the key's (see lockID) mixed with the table's oid: a
-		// name without a schema names a different table under each
-		// search_path, and those tables' keys must not share locks.
+		// that follows, assigns anyway. The lock is the key's (see
+		// lockID) mixed with the table's oid: a name without a schema
+		// names a different table under each search_path, and those
+		// tables' keys must not share locks.
 		claimTx: r.Replace(`WITH lock AS (
 	SELECT pg_try_advisory_xact_lock(id) AS locked, id, pg_backend_pid() AS pid
 	FROM (SELECT $6 # '{table}'::regclass::oid::int8) AS k (id)
