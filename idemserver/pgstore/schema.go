@@ -190,10 +190,12 @@ WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock, taken without
 		// waiting, it inserts the claim; it always returns one row, with
-		// the lock and the process that holds it (see held). The
-		// lock is the key's (see lockID) mixed with the table's oid: a
-		// name without a schema names a different table under each
-		// search_path, and those tables' keys must not share locks.
+		// the lock, the process that holds it and, when it holds it, the
+		// transaction's id (see held), which the insert, or the replace
+		// that follows, assigns anyway. The lock is the key's (see
+		// lockID) mixed with the table's oid: a name without a schema
+		// names a different table under each search_path, and those
+		// tables' keys must not share locks.
 		claimTx: r.Replace(`WITH lock AS (
 	SELECT pg_try_advisory_xact_lock(id) AS locked, id, pg_backend_pid() AS pid
 	FROM (SELECT $6 # '{table}'::regclass::oid::int8) AS k (id)
@@ -204,19 +206,28 @@ WHERE scope = $1 AND key = $2`),
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true AS claimed
 )
-SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, ` + rowColumns + `
+SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.id, CASE WHEN lock.locked THEN txid_current() END, ` + rowColumns + `
 FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
 		// held reports whether a claim of transactional mode still
-		// holds its key: whether the process $1 holds the advisory lock
-		// $2, which it does until its transaction ends, or else the
-		// claim's row, with its token $5, committed (by a handler that
-		// committed the transaction itself). An advisory lock on a bigint
-		// shows in pg_locks as its high and low 32 bits, with objsubid 1.
-		held: r.Replace(`SELECT EXISTS (SELECT FROM pg_locks
-WHERE locktype = 'advisory' AND pid = $1 AND granted AND objsubid = 1
+		// holds its key's lock: whether the process $1 holds the advisory
+		// lock $2 in the transaction $3, which it does until the
+		// transaction ends. The pid alone does not name the claim's
+		// session: once that ended, a new one may get its pid (a restarted
+		// server's processes get the same pids again, and a busy server's
+		// wrap around) and the duplicate's transaction there holds the
+		// same lock; a transaction id is not given twice by one server. A
+		// transaction holds the lock of its own id, which shows in
+		// pg_locks as its low 32 bits; an advisory lock on a bigint shows
+		// as its high and low 32 bits, with objsubid 1. Whether the claim's
+		// row was committed instead is the next statement's question (see
+		// extendTx), not this one's.
+		held: `WITH l AS MATERIALIZED (
+	SELECT locktype, database, classid, objid, objsubid, transactionid FROM pg_locks WHERE pid = $1 AND granted
+)
+SELECT EXISTS (SELECT FROM l WHERE locktype = 'advisory' AND objsubid = 1
 	AND classid = (($2::int8 >> 32) & 4294967295)::oid AND objid = ($2::int8 & 4294967295)::oid
 	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-OR EXISTS (SELECT FROM {table} WHERE scope = $3 AND key = $4 AND token = $5)`),
+AND EXISTS (SELECT FROM l WHERE locktype = 'transactionid' AND transactionid = ($3::int8 & 4294967295)::text::xid)`,
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of

@@ -278,17 +278,19 @@ func TestMigrateCompletesTheTableItFinds(t *testing.T) {
 	// puts a table without a schema. Migrate must add the index to the
 	// table the store uses, not create another, empty one in the first
 	// schema that hides it, and every record in it with it, from then on.
+	// The second schema's name, found in the catalog, needs quoting: it
+	// has a capital, a dot, a space and a double quote.
 	db := newTestDB(t, 2)
-	later := db.schema + "_later"
-	_, err := db.ExecContext(t.Context(), "CREATE SCHEMA "+later)
+	later := db.schema + `_Later. "x"`
+	_, err := db.ExecContext(t.Context(), "CREATE SCHEMA "+quoteIdent(later))
 	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP SCHEMA "+later+" CASCADE") })
-	_, err = db.ExecContext(t.Context(), strings.ReplaceAll(strings.ReplaceAll(createTable, "{table}", later+".keys"), "IF NOT EXISTS ", ""))
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP SCHEMA "+quoteIdent(later)+" CASCADE") })
+	_, err = db.ExecContext(t.Context(), strings.ReplaceAll(strings.ReplaceAll(createTable, "{table}", quoteIdent(later)+".keys"), "IF NOT EXISTS ", ""))
 	require.NoError(t, err)
 
 	cfg, err := pgx.ParseConfig(db.dsn)
 	require.NoError(t, err)
-	cfg.RuntimeParams["search_path"] = db.schema + ", " + later
+	cfg.RuntimeParams["search_path"] = `"$user", ` + db.schema + ", " + quoteIdent(later)
 	pool := stdlib.OpenDB(*cfg)
 	t.Cleanup(func() { _ = pool.Close() })
 	s, err := New(pool, WithTable("keys"))

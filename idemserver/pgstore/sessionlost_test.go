@@ -4,7 +4,11 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"net/http"
+	"os"
+	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -62,12 +66,7 @@ func TestTransactionalExtendHoldsWhileTheTransactionIsOpen(t *testing.T) {
 	// check cannot be made because the claims hold every pool connection.
 	db := newTestDB(t, 1)
 	s := db.newStore(t, WithTransactional(), WithPoolWait(50*time.Millisecond))
-	c := testClaim("k", time.Minute)
-	res, err := s.Claim(t.Context(), c)
-	require.NoError(t, err)
-	require.True(t, res.Claimed)
-	ctx := res.Context
-	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(ctx), c.Key, c.Token) })
+	c, ctx := openClaim(t, s, "k")
 
 	// The claim holds the pool's one connection: the check finds none.
 	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
@@ -84,13 +83,34 @@ func TestTransactionalExtendHoldsWhileTheTransactionIsOpen(t *testing.T) {
 	require.NoError(t, s.Release(res2.Context, other.Key, other.Token))
 	require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
 
-	var pid int
-	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	pid := backendPid(t, ctx)
 	_, err = db.ExecContext(t.Context(), "SELECT pg_terminate_backend($1)", pid)
 	require.NoError(t, err)
 	assert.Eventually(t, func() bool {
 		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
 	}, 10*time.Second, time.Millisecond, "the claim's session ended")
+}
+
+// openClaim claims key in transactional store s, and releases the claim
+// when the test ends. It returns the claim and the claimed request's
+// context.
+func openClaim(t *testing.T, s *Store, key string) (idemserver.Claim, context.Context) {
+	t.Helper()
+	c := testClaim(key, time.Minute)
+	res, err := s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	t.Cleanup(func() { _ = s.Release(context.WithoutCancel(res.Context), c.Key, c.Token) })
+	return c, res.Context
+}
+
+// backendPid returns the pid of the server process of the transaction of
+// the claimed request whose context is ctx.
+func backendPid(t *testing.T, ctx context.Context) int {
+	t.Helper()
+	var pid int
+	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	return pid
 }
 
 // extendsSeen is a Store that sends the error of each Extend to extends.
@@ -155,5 +175,103 @@ func TestTransactionalHandlerThatEndsTxItselfKeepsRunning(t *testing.T) {
 			status, body, _ := post(h, "k")
 			assert.Equal(t, tt.status, status, body)
 		})
+	}
+}
+
+// connectWithPid opens a pool of one connection on db's schema whose server
+// process has the pid that the ended process pid had, as a restarted server
+// (whose processes, in a container, get the same pids again) or a busy one
+// (whose pids wrap around) gives a new session. It sets the kernel's last
+// pid, which takes privileges: without them the test skips. Another process
+// of the machine may take the pid first; it tries again then.
+func connectWithPid(t *testing.T, db *testDB, pid int) *sql.DB {
+	t.Helper()
+	const lastPid = "/proc/sys/kernel/ns_last_pid"
+	for range 50 {
+		pool := db.open(t, 1)
+		if err := os.WriteFile(lastPid, []byte(strconv.Itoa(pid-1)), 0); err != nil {
+			t.Skipf("a session cannot be given a pid here: %v", err)
+		}
+		var got int
+		require.NoError(t, pool.QueryRowContext(t.Context(), "SELECT pg_backend_pid()").Scan(&got))
+		if got == pid {
+			return pool
+		}
+		require.NoError(t, pool.Close())
+	}
+	t.Skip("the machine's other processes took the pid every time")
+	return nil
+}
+
+func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
+	// The server ends the session of a claim while its handler runs, and
+	// a duplicate claims the key at once, on a new session whose server
+	// process happens to have the pid the claim's had: after a restart of
+	// a server in a container the pids come again in the same order, and a
+	// server's pids wrap around. The duplicate's transaction holds the
+	// key's advisory lock under that pid. Extend must still report the
+	// first claim lost: its handler would otherwise go on acting beside
+	// the duplicate's.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	c, ctx := openClaim(t, s, "k")
+
+	pid := backendPid(t, ctx)
+	var ok bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", pid).Scan(&ok))
+	require.True(t, ok)
+
+	pool := connectWithPid(t, db, pid)
+	pool.SetMaxOpenConns(2) // one for the duplicate's claim, one for its check
+	dup, err := New(pool, WithTable(s.table.name), WithTransactional())
+	require.NoError(t, err)
+	d := testClaim("k", time.Minute)
+	d.Token = "token-duplicate"
+	dres, err := dup.Claim(t.Context(), d)
+	require.NoError(t, err)
+	require.True(t, dres.Claimed, "the first claim's session ended: the duplicate claims the key")
+	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
+	require.Equal(t, pid, backendPid(t, dres.Context))
+
+	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost,
+		"the duplicate holds the key, in a session of the same pid")
+	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
+}
+
+func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
+	// A handler commits Tx itself while extensions of its claim are
+	// checked. The commit releases the key's lock and makes the claim's
+	// row visible, in that order; a check that read both under one
+	// statement's snapshot, taken before the commit, would see neither
+	// and report the claim lost, and the handler, cut short, would
+	// answer 5xx, whose release lets a retry run its committed work
+	// again.
+	db := newTestDB(t, 8)
+	s := db.newStore(t, WithTransactional())
+	for i := range 200 {
+		c, ctx := openClaim(t, s, fmt.Sprintf("k%d", i))
+
+		checked := make(chan error)
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		for range 3 {
+			wg.Go(func() {
+				for {
+					select {
+					case <-stop:
+						return
+					case checked <- s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)):
+					}
+				}
+			})
+		}
+		require.NoError(t, <-checked)
+		require.NoError(t, Tx(ctx).Commit())
+		for range 9 { // some checks span the commit, and some follow it
+			require.NoError(t, <-checked, "a claim whose handler committed it, at try %d", i)
+		}
+		close(stop)
+		wg.Wait()
+		require.NoError(t, s.Release(context.WithoutCancel(ctx), c.Key, c.Token)) // frees its connection
 	}
 }

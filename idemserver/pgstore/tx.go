@@ -73,6 +73,7 @@ type txState struct {
 	key   idemserver.Key
 	token string
 	pid   int64       // the server process of the transaction
+	xid   int64       // the transaction's id (txid_current)
 	lock  int64       // the key's advisory lock, which the transaction holds
 	rerun atomic.Bool // the handler asked for a rerun
 	ended atomic.Bool // committed or rolled back
@@ -172,10 +173,12 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 		}
 		var (
 			locked, won bool
+			xid         sql.NullInt64
 			r           row
 		)
 		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
-			Scan(append([]any{&locked, &won, &st.pid, &st.lock}, r.dest()...)...)
+			Scan(append([]any{&locked, &won, &st.pid, &st.lock, &xid}, r.dest()...)...)
+		st.xid = xid.Int64
 		switch {
 		case err == nil && won:
 			return claimed(st)
@@ -271,17 +274,32 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 // duplicate may run at once. The claim's own connection is not asked: the
 // handler may be using it, and a statement there would count as activity
 // against idle_in_transaction_session_timeout. Another connection asks
-// whether the claim's server process still holds the key's advisory lock,
-// or else the claim's row was committed, by a handler that committed the
-// transaction itself (against Tx's contract; its claim still holds the
-// key). Only that answer reports the claim lost: a check that cannot be
-// made (no free pool connection within the store's bound, a failure)
-// reports nothing, since a claim, unlike a lease, does not end with time.
+// whether the claim's server process still holds the key's advisory lock
+// in the claim's transaction (by its id: a new session may have the ended
+// one's pid, and a duplicate's transaction there the same lock), and only
+// if it does not, whether the claim's row was committed, by a handler that
+// committed the transaction itself (against Tx's contract; its claim still
+// holds the key). The row is read by a statement of its own, whose
+// snapshot is taken after the lock was seen gone: a transaction releases
+// its locks only once its commit is visible, but a statement's snapshot
+// is taken when it starts, and one statement that read both could see the
+// lock released by a commit it did not see. Only that answer reports the
+// claim lost: a check that cannot be made (no free pool connection within
+// the store's bound, a failure) reports nothing, since a claim, unlike a
+// lease, does not end with time.
 func (s *Store) extendTx(ctx context.Context, st *txState) error {
 	var held bool
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
-		err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, []byte(st.key.Scope), st.key.Key, st.token).Scan(&held)
-		_ = conn.Close()
+		defer conn.Close()
+		if err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, st.xid).Scan(&held); err != nil || held {
+			return err
+		}
+		var r row
+		err := conn.QueryRowContext(ctx, s.q.read, []byte(st.key.Scope), st.key.Key).Scan(r.dest()...)
+		held = err == nil && r.token.Valid && r.token.String == st.token
+		if errors.Is(err, sql.ErrNoRows) {
+			err = nil
+		}
 		return err
 	})
 	if err == nil && !held {
