@@ -40,6 +40,7 @@ func serve(ctx context.Context, args []string) error {
 	number := fs.Int("server", 0, "this server process's number: 0, then 1 after the first restart...")
 	unsafe := fs.Bool(unsafeFlag, false, "serve without the middleware")
 	unsafeEffect := fs.Bool(unsafeEffectFlag, false, "no forwarded key; with postgres-tx, no transaction")
+	ttl := fs.Duration(unsafeTTLFlag, 0, "the middleware's retention of outcomes (0: its default)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -54,7 +55,7 @@ func serve(ctx context.Context, args []string) error {
 	defer closeStore()
 
 	var handler http.Handler
-	opts := []idemserver.Option{idemserver.RequireKey(), idemserver.WithLease(serverLease)}
+	opts := []idemserver.Option{idemserver.RequireKey(), idemserver.WithLease(serverLease), idemserver.WithTTL(*ttl)}
 	if spec.transactional() {
 		runs, err := openLineLog(*ledgerPath)
 		if err != nil {

@@ -161,7 +161,7 @@ func (w *worker) complete(ctx context.Context, op string) error {
 			continue
 		}
 		replayed := strconv.FormatBool(resp.Header.Get(idemserver.ReplayedHeader) == "true")
-		err = w.log.append(true, "done", op, strconv.Itoa(resp.StatusCode), replayed)
+		err = w.log.append(true, "done", op, strconv.Itoa(resp.StatusCode), replayed, sentKey(resp))
 		if err != nil {
 			drain(resp)
 			return err
@@ -186,14 +186,35 @@ func (w *worker) complete(ctx context.Context, op string) error {
 
 // pay sends one call of operation op.
 func (w *worker) pay(ctx context.Context, op string) (*http.Response, error) {
-	ctx = idemhttp.WithOperation(ctx, op)
+	req, err := payment(idemhttp.WithOperation(ctx, op), w.url, op)
+	if err != nil {
+		return nil, err
+	}
+	return w.client.Do(req)
+}
+
+// payment returns the request that pays op at the server at url; every
+// call of op sends the same one, so that its fingerprint never changes.
+func payment(ctx context.Context, url, op string) (*http.Request, error) {
 	body := fmt.Sprintf(`{"op":%q,"amount":100}`, op)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.url+"/pay/"+op, strings.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/pay/"+op, strings.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
-	return w.client.Do(req)
+	return req, nil
+}
+
+// sentKey returns the idempotency key of the attempt that resp answers
+// ("-" if it has none), for the check that its outcome is still replayed at
+// the end of the run.
+func sentKey(resp *http.Response) string {
+	if resp.Request != nil {
+		if k := resp.Request.Header.Get(idemhttp.DefaultKeyHeader); k != "" && !strings.ContainsAny(k, " \t\n") {
+			return k
+		}
+	}
+	return noKey
 }
 
 // final reports whether resp is an outcome the Transport releases the key
