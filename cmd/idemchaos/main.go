@@ -35,8 +35,8 @@
 // ledger must hold each operation exactly once: an operation paid more than
 // once, or whose handler one server process ran twice without cause, or a
 // later server ran again after its outcome was stored, is a duplicate; one paid never is lost. Every answer the client accepts, first
-// or replayed, must be the operation's own receipt; one that is not is a
-// wrong answer. Once the client is done, every operation is sent once more,
+// or replayed, must be the operation's own receipt, body and Content-Type;
+// one that is not is a wrong answer. Once the client is done, every operation is sent once more,
 // straight to the server, with the key the client completed it with, and
 // must be answered 201 with its receipt; one answered by a run of the
 // handler rather than a replay had its outcome forgotten, unless the ledger

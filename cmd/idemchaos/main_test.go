@@ -128,7 +128,11 @@ func TestEndCheckAnswers(t *testing.T) {
 			answer(w, 201, true, receiptOf("op-1"))
 		}, false, ""},
 		{"another receipt", func(w http.ResponseWriter, _ int) { answer(w, 201, true, receiptOf("op-2")) }, false,
-			`op-1 (body "{\"op\":\"op-2\",\"status\":\"paid\"}")`},
+			`op-1 (body "{\"op\":\"op-2\",\"status\":\"paid\"}", want "{\"op\":\"op-1\",\"status\":\"paid\"}")`},
+		{"another Content-Type", func(w http.ResponseWriter, _ int) {
+			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+			answer(w, 201, true, receiptOf("op-1"))
+		}, false, `op-1 (Content-Type "text/plain; charset=utf-8", want "application/json")`},
 		{"refused", func(w http.ResponseWriter, _ int) { answer(w, 422, false, "") }, false, "op-1 (status 422)"},
 	}
 	for _, tt := range tests {
@@ -157,6 +161,9 @@ func TestEndCheckAnswers(t *testing.T) {
 }
 
 func answer(w http.ResponseWriter, status int, replayed bool, body string) {
+	if w.Header().Get("Content-Type") == "" {
+		w.Header().Set("Content-Type", receiptType)
+	}
 	if replayed {
 		w.Header().Set(idemserver.ReplayedHeader, "true")
 	}
@@ -376,16 +383,20 @@ func TestReportForgottenKey(t *testing.T) {
 // replay of another answer, which the report then counts as wrong.
 func TestWorkerChecksTheAnswer(t *testing.T) {
 	for _, tt := range []struct {
-		name, body string
-		wrong      bool
+		name, body, contentType string // no Content-Type: net/http sniffs one
+		wrong                   bool
 	}{
-		{"receipt", receiptOf("op-1"), false},
-		{"another operation's receipt", receiptOf("op-2"), true},
-		{"empty", "", true},
-		{"receipt and more", receiptOf("op-1") + " ", true},
+		{"receipt", receiptOf("op-1"), receiptType, false},
+		{"another operation's receipt", receiptOf("op-2"), receiptType, true},
+		{"empty", "", receiptType, true},
+		{"receipt and more", receiptOf("op-1") + " ", receiptType, true},
+		{"receipt without its Content-Type", receiptOf("op-1"), "", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if tt.contentType != "" {
+					w.Header().Set("Content-Type", tt.contentType)
+				}
 				w.Header().Set(idemserver.ReplayedHeader, "true")
 				w.WriteHeader(http.StatusCreated)
 				_, _ = io.WriteString(w, tt.body)

@@ -193,10 +193,13 @@ func insertPayment(table string, runs *lineLog, server int, outside *sql.DB) htt
 // receipt waits afterEffect and answers 201 with the receipt of op.
 func receipt(w http.ResponseWriter, op string) {
 	time.Sleep(afterEffect)
-	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Type", receiptType)
 	w.WriteHeader(http.StatusCreated)
 	_, _ = io.WriteString(w, receiptOf(op))
 }
+
+// receiptType is the Content-Type of every receipt, first or replayed.
+const receiptType = "application/json"
 
 // receiptOf is the body of op's receipt: every answer to op, first or
 // replayed, must be exactly this.

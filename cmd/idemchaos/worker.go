@@ -172,16 +172,32 @@ func (w *worker) complete(ctx context.Context, op string) error {
 		}
 		// A body cut in transit proves nothing about the answer; the key
 		// stays pending and the next worker drives op again.
-		want := receiptOf(op)
-		body, err := io.ReadAll(io.LimitReader(resp.Body, int64(len(want))+1))
-		drain(resp)
-		if err == nil && string(body) != want {
-			fmt.Fprintf(os.Stderr, "idemchaos client: %s: answered %q, want %q\n", op, body, want)
+		if wrong, err := checkReceipt(resp, op); err == nil && wrong != "" {
+			fmt.Fprintf(os.Stderr, "idemchaos client: %s: %s\n", op, wrong)
 			return w.log.append(true, "wrong", op)
 		}
 		return nil
 	}
 	return ctx.Err()
+}
+
+// checkReceipt reads and closes the body of a 201 that answers op, and says
+// how it differs from op's receipt, as the handler wrote it: its body and
+// its Content-Type, the one header field the handler sets ("" if it does
+// not). It fails if the body cannot be read.
+func checkReceipt(resp *http.Response, op string) (wrong string, err error) {
+	want := receiptOf(op)
+	body, err := io.ReadAll(io.LimitReader(resp.Body, int64(len(want))+1))
+	drain(resp)
+	switch {
+	case err != nil:
+		return "", err
+	case string(body) != want:
+		return fmt.Sprintf("body %q, want %q", body, want), nil
+	case resp.Header.Get("Content-Type") != receiptType:
+		return fmt.Sprintf("Content-Type %q, want %q", resp.Header.Get("Content-Type"), receiptType), nil
+	}
+	return "", nil
 }
 
 // pay sends one call of operation op.
