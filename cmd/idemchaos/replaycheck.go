@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 	"strconv"
@@ -69,36 +70,22 @@ func checkRun(ctx context.Context, path, url string, n int) (endCheck, error) {
 	tr := &http.Transport{MaxIdleConnsPerHost: n}
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
-	ops := make(chan string)
 	var (
 		mu  sync.Mutex
 		res = endCheck{checked: len(keys)}
-		wg  sync.WaitGroup
 	)
-	for range max(n, 1) {
-		wg.Go(func() {
-			for op := range ops {
-				ranAgain, why := checkReplay(ctx, client, url, op, keys[op])
-				mu.Lock()
-				if ranAgain {
-					res.ranAgain = append(res.ranAgain, op)
-				}
-				if why != "" {
-					res.wrong = append(res.wrong, op+" ("+why+")")
-				}
-				mu.Unlock()
-			}
-		})
-	}
-	for op := range keys {
-		if ctx.Err() != nil {
-			break
+	err = forEach(ctx, slices.Sorted(maps.Keys(keys)), n, func(op string) {
+		ranAgain, why := checkReplay(ctx, client, url, op, keys[op])
+		mu.Lock()
+		defer mu.Unlock()
+		if ranAgain {
+			res.ranAgain = append(res.ranAgain, op)
 		}
-		ops <- op
-	}
-	close(ops)
-	wg.Wait()
-	if err := ctx.Err(); err != nil {
+		if why != "" {
+			res.wrong = append(res.wrong, op+" ("+why+")")
+		}
+	})
+	if err != nil {
 		return endCheck{}, fmt.Errorf("checking the replays: %w", err)
 	}
 	for _, op := range slices.Compact(slices.Sorted(slices.Values(keyless))) {

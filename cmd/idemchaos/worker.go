@@ -114,16 +114,30 @@ type worker struct {
 // drive makes the operations ops, n at a time, each until its outcome is
 // final.
 func (w *worker) drive(ctx context.Context, ops []string, n int) error {
+	err := forEach(ctx, ops, n, func(op string) {
+		if err := w.complete(ctx, op); err != nil {
+			w.mu.Lock()
+			w.failed = errors.Join(w.failed, err)
+			w.mu.Unlock()
+		}
+	})
+	if err != nil {
+		return err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.failed
+}
+
+// forEach calls do with each of ops, n calls at a time, until ctx ends,
+// and returns ctx's error if it ended.
+func forEach(ctx context.Context, ops []string, n int, do func(op string)) error {
 	jobs := make(chan string)
 	var wg sync.WaitGroup
 	for range max(n, 1) {
 		wg.Go(func() {
 			for op := range jobs {
-				if err := w.complete(ctx, op); err != nil {
-					w.mu.Lock()
-					w.failed = errors.Join(w.failed, err)
-					w.mu.Unlock()
-				}
+				do(op)
 			}
 		})
 	}
@@ -135,12 +149,7 @@ func (w *worker) drive(ctx context.Context, ops []string, n int) error {
 	}
 	close(jobs)
 	wg.Wait()
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.failed
+	return ctx.Err()
 }
 
 // complete sends op until its outcome is final, records it done and only
