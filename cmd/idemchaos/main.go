@@ -35,17 +35,23 @@
 // ledger must hold each operation exactly once: an operation paid more than
 // once, or whose handler one server process ran twice without cause, or a
 // later server ran again after its outcome was stored, is a duplicate; one paid never is lost. Every answer the client accepts, first
-// or replayed, must be the operation's own receipt; one that is not is a
-// wrong answer. The report has lines that read "duplicates: N", "lost: N"
-// and "wrong answers: N", and counts the attempts (requests that reached
+// or replayed, must be the operation's own receipt, body and Content-Type;
+// one that is not is a wrong answer. Once the client is done, every operation is sent once more,
+// straight to the server, with the key the client completed it with, and
+// must be answered 201 with its receipt; one answered by a run of the
+// handler rather than a replay had its outcome forgotten, unless the ledger
+// shows a run that lease mode allows (see replaycheck.go). The report has
+// lines that read "duplicates: N", "lost: N", "wrong answers: N" and "wrong
+// answers at the end: N", and counts the attempts (requests that reached
 // the proxy), the retries (attempts beyond one per operation), the replays served
 // (responses marked Idempotent-Replayed that passed the proxy, including
 // those it then dropped), the faults injected, the re-executions after
 // server kills (lease mode) or the handler runs rolled back (postgres-tx),
 // the client kills, the server restarts, the seed and the wall time.
 // idemchaos exits with status 1, naming the operations, if there are
-// duplicates, lost operations or wrong answers, or operations the client
-// never saw succeed; with status 2 if the scenario could not be run.
+// duplicates, lost operations or wrong answers (during the run or at its
+// end), or operations the client never saw succeed; with status 2 if the
+// scenario could not be run.
 //
 // Each run with PostgreSQL works in a schema of its own, and with Redis
 // under a key prefix of its own; both are named in the report and removed

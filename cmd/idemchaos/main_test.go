@@ -64,6 +64,9 @@ func TestShortScenario(t *testing.T) {
 	assert.Equal(t, 0, count(t, report, "server restarts"))
 	assert.Equal(t, 7, count(t, report, "seed"))
 	assert.GreaterOrEqual(t, count(t, report, "attempts"), 80)
+	assert.Equal(t, 80, count(t, report, "replays checked at the end"))
+	assert.Equal(t, 0, count(t, report, "wrong answers at the end"))
+	assert.Equal(t, 0, count(t, report, "run again at the end"))
 	assert.Contains(t, report, "PASS: every operation took effect exactly once")
 
 	// The ledger, kept by the server children, holds each operation once.
@@ -82,6 +85,108 @@ func TestBrokenServerCaught(t *testing.T) {
 	assert.Equal(t, 0, count(t, report, "lost"))
 	assert.Regexp(t, `(?m)^duplicated operations: op-\d\d \(\d executions\)`, report)
 	assert.Contains(t, report, "FAIL")
+}
+
+// TestForgetfulServerCaught runs the scenario against a server that forgets
+// each outcome a moment after storing it. No retry comes after that moment
+// during the run, without faults or kills, so only the operations sent
+// again at the end can show it: each runs the handler again instead of
+// being replayed, and the ledger counts that run as a duplicate.
+func TestForgetfulServerCaught(t *testing.T) {
+	status, report := chaos(t, "-"+unsafeTTLFlag, "1ms", "-ops", "20", "-workers", "4", "-client-kills", "0",
+		"-faults", "0", "-seed", "3")
+	assert.Equal(t, exitFailed, status)
+	assert.Equal(t, 20, count(t, report, "replays checked at the end"))
+	assert.Equal(t, 20, count(t, report, "run again at the end"))
+	assert.Equal(t, 0, count(t, report, "wrong answers at the end"), "each run again answered the receipt")
+	assert.Equal(t, 20, count(t, report, "duplicates"))
+	assert.Equal(t, 0, count(t, report, "lost"))
+	assert.Regexp(t, `(?m)^duplicated operations: op-01 \(run 1 more times by one server process\)`, report)
+	assert.Regexp(t, `(?m)^operations whose handler ran again when sent again at the end: op-01, op-02, `, report)
+	assert.Contains(t, report, "FAIL")
+}
+
+// TestEndCheckAnswers checks what the check at the end of a run makes of
+// the server's answers: a replay of the receipt is right, a run of the
+// handler again is left to the ledger to judge, anything else is wrong, and
+// a claim still in progress is waited for.
+func TestEndCheckAnswers(t *testing.T) {
+	tests := []struct {
+		name     string
+		answer   func(w http.ResponseWriter, calls int)
+		ranAgain bool
+		wrong    string
+	}{
+		{"replay", func(w http.ResponseWriter, _ int) { answer(w, 201, true, receiptOf("op-1")) }, false, ""},
+		{"run again", func(w http.ResponseWriter, _ int) { answer(w, 201, false, receiptOf("op-1")) }, true, ""},
+		{"in progress, then replay", func(w http.ResponseWriter, calls int) {
+			if calls < 3 {
+				w.Header().Set("Retry-After", "1")
+				answer(w, 409, false, "")
+				return
+			}
+			answer(w, 201, true, receiptOf("op-1"))
+		}, false, ""},
+		{"another receipt", func(w http.ResponseWriter, _ int) { answer(w, 201, true, receiptOf("op-2")) }, false,
+			`op-1 (body "{\"op\":\"op-2\",\"status\":\"paid\"}", want "{\"op\":\"op-1\",\"status\":\"paid\"}")`},
+		{"another Content-Type", func(w http.ResponseWriter, _ int) {
+			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+			answer(w, 201, true, receiptOf("op-1"))
+		}, false, `op-1 (Content-Type "text/plain; charset=utf-8", want "application/json")`},
+		{"refused", func(w http.ResponseWriter, _ int) { answer(w, 422, false, "") }, false, "op-1 (status 422)"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			calls := 0
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				calls++
+				assert.Equal(t, "k1", r.Header.Get(idemserver.DefaultKeyHeader))
+				assert.Equal(t, "/pay/op-1", r.URL.Path)
+				tt.answer(w, calls)
+			}))
+			defer srv.Close()
+			path := filepath.Join(t.TempDir(), "log")
+			require.NoError(t, os.WriteFile(path, []byte("done op-1 201 false k1\ndone op-2 201 false\n"), 0o644))
+			res, err := checkRun(t.Context(), path, srv.URL, 2)
+			require.NoError(t, err)
+			assert.Equal(t, 1, res.checked)
+			want := []string{"op-2 (no key recorded)"}
+			if tt.wrong != "" {
+				want = append([]string{tt.wrong}, want...)
+			}
+			assert.Equal(t, want, res.wrong)
+			assert.Equal(t, tt.ranAgain, len(res.ranAgain) == 1)
+		})
+	}
+}
+
+func answer(w http.ResponseWriter, status int, replayed bool, body string) {
+	if w.Header().Get("Content-Type") == "" {
+		w.Header().Set("Content-Type", receiptType)
+	}
+	if replayed {
+		w.Header().Set(idemserver.ReplayedHeader, "true")
+	}
+	w.WriteHeader(status)
+	_, _ = io.WriteString(w, body)
+}
+
+// TestLastKeys checks which key the end-of-run check sends for each
+// operation: the one it was last answered 201 with.
+func TestLastKeys(t *testing.T) {
+	log := [][]string{
+		{"done", "op-1", "201", "false", "k1"},
+		{"done", "op-1", "201", "true", "k1b"}, // driven again after a kill
+		{"done", "op-2", "409", "false", "k2"}, // refused: reported as such
+		{"done", "op-3", "201", "false"},       // no key recorded
+		{"done", "op-4", "201", "false", noKey},
+		{"done", "op-5", "201", "false", noKey},
+		{"done", "op-5", "201", "true", "k5"},
+		{"wrong", "op-1"},
+	}
+	keys, keyless := lastKeys(log)
+	assert.Equal(t, map[string]string{"op-1": "k1b", "op-5": "k5"}, keys)
+	assert.Equal(t, []string{"op-3", "op-4"}, keyless)
 }
 
 func TestBadFlags(t *testing.T) {
@@ -278,16 +383,20 @@ func TestReportForgottenKey(t *testing.T) {
 // replay of another answer, which the report then counts as wrong.
 func TestWorkerChecksTheAnswer(t *testing.T) {
 	for _, tt := range []struct {
-		name, body string
-		wrong      bool
+		name, body, contentType string // no Content-Type: net/http sniffs one
+		wrong                   bool
 	}{
-		{"receipt", receiptOf("op-1"), false},
-		{"another operation's receipt", receiptOf("op-2"), true},
-		{"empty", "", true},
-		{"receipt and more", receiptOf("op-1") + " ", true},
+		{"receipt", receiptOf("op-1"), receiptType, false},
+		{"another operation's receipt", receiptOf("op-2"), receiptType, true},
+		{"empty", "", receiptType, true},
+		{"receipt and more", receiptOf("op-1") + " ", receiptType, true},
+		{"receipt without its Content-Type", receiptOf("op-1"), "", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if tt.contentType != "" {
+					w.Header().Set("Content-Type", tt.contentType)
+				}
 				w.Header().Set(idemserver.ReplayedHeader, "true")
 				w.WriteHeader(http.StatusCreated)
 				_, _ = io.WriteString(w, tt.body)
@@ -302,7 +411,7 @@ func TestWorkerChecksTheAnswer(t *testing.T) {
 
 			lines, err := readLines(path)
 			require.NoError(t, err)
-			want := [][]string{{"done", "op-1", "201", "true"}}
+			want := [][]string{{"done", "op-1", "201", "true", noKey}} // a client without idemhttp sends no key
 			if tt.wrong {
 				want = append(want, []string{"wrong", "op-1"})
 			}

@@ -45,6 +45,9 @@ type report struct {
 	// transaction never committed (the server was killed inside it).
 	rolledBack      int
 	replaysReceived int
+	// end is the check that sends every operation again at the end of the
+	// run, with the key it completed with (see replaycheck.go).
+	end endCheck
 }
 
 // read checks the ledger and the client log against the operations. With
@@ -174,7 +177,8 @@ func (r *report) read(f files, payments []entry) error {
 
 // failed reports whether the run broke the promise or did not finish.
 func (r *report) failed() bool {
-	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.wrong)+len(r.strangers) > 0
+	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.wrong)+len(r.strangers)+
+		len(r.end.wrong) > 0
 }
 
 func (r *report) print(w io.Writer) {
@@ -198,6 +202,9 @@ func (r *report) print(w io.Writer) {
 	fmt.Fprintf(w, "duplicates: %d\n", len(r.duplicated))
 	fmt.Fprintf(w, "lost: %d\n", len(r.lost))
 	fmt.Fprintf(w, "wrong answers: %d\n", len(r.wrong))
+	fmt.Fprintf(w, "replays checked at the end: %d\n", r.end.checked)
+	fmt.Fprintf(w, "wrong answers at the end: %d\n", len(r.end.wrong))
+	fmt.Fprintf(w, "run again at the end: %d\n", len(r.end.ranAgain))
 	if sc.spec.transactional() {
 		fmt.Fprintf(w, "handler runs rolled back: %d\n", r.rolledBack)
 	} else {
@@ -223,6 +230,8 @@ func (r *report) print(w io.Writer) {
 		{"operations refused (final status other than 201)", r.refused},
 		{"operations answered 201 with a body other than their receipt", r.wrong},
 		{"executed operations not in the scenario", r.strangers},
+		{"operations answered other than 201 with their receipt when sent again at the end", r.end.wrong},
+		{"operations whose handler ran again when sent again at the end", r.end.ranAgain},
 	} {
 		if len(l.ops) > 0 {
 			fmt.Fprintf(w, "%s: %s\n", l.what, strings.Join(l.ops, ", "))

@@ -29,10 +29,12 @@ import (
 // it forwards no key to the payment provider, and with postgres-tx it
 // writes the payment outside the claim's transaction, so a server killed
 // between the payment and the stored response pays again when a retry
-// runs the handler after the takeover (see ledger.go).
+// runs the handler after the takeover (see ledger.go). unsafeTTLFlag sets
+// the middleware's retention, so that a short one forgets outcomes early.
 const (
 	unsafeFlag       = "unsafe-no-middleware"
 	unsafeEffectFlag = "unsafe-effect"
+	unsafeTTLFlag    = "unsafe-ttl"
 )
 
 // scenario is what a run does, from the flags.
@@ -47,6 +49,7 @@ type scenario struct {
 	dir             string
 	noMiddleware    bool
 	unsafeEffect    bool
+	unsafeTTL       time.Duration
 	self            string // this program's executable
 	stderr          io.Writer
 	pollEvery       time.Duration
@@ -101,6 +104,7 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 	fs.BoolVar(&sc.noMiddleware, unsafeFlag, false, "serve without the middleware (a broken server)")
 	fs.BoolVar(&sc.unsafeEffect, unsafeEffectFlag, false,
 		"the handler's effect is not deduplicated downstream nor in the claim's transaction")
+	fs.DurationVar(&sc.unsafeTTL, unsafeTTLFlag, 0, "the middleware's retention of outcomes (0: its default)")
 	fs.Usage = func() {
 		shown := flag.NewFlagSet("idemchaos", flag.ContinueOnError)
 		shown.SetOutput(stderr)
@@ -290,6 +294,9 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 			}
 		}
 	}
+	if rep.end, err = checkRun(ctx, f.clientLog, "http://"+addr, sc.workers); err != nil {
+		return nil, err
+	}
 	if err := proxy.Close(); err != nil {
 		return nil, err
 	}
@@ -355,6 +362,9 @@ func (sc *scenario) startServer(ctx context.Context, ledger string, number int, 
 	}
 	if sc.unsafeEffect {
 		args = append(args, "-"+unsafeEffectFlag)
+	}
+	if sc.unsafeTTL > 0 {
+		args = append(args, "-"+unsafeTTLFlag, sc.unsafeTTL.String())
 	}
 	r, w, err := os.Pipe()
 	if err != nil {

@@ -40,6 +40,7 @@ func serve(ctx context.Context, args []string) error {
 	number := fs.Int("server", 0, "this server process's number: 0, then 1 after the first restart...")
 	unsafe := fs.Bool(unsafeFlag, false, "serve without the middleware")
 	unsafeEffect := fs.Bool(unsafeEffectFlag, false, "no forwarded key; with postgres-tx, no transaction")
+	ttl := fs.Duration(unsafeTTLFlag, 0, "the middleware's retention of outcomes (0: its default)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -54,7 +55,7 @@ func serve(ctx context.Context, args []string) error {
 	defer closeStore()
 
 	var handler http.Handler
-	opts := []idemserver.Option{idemserver.RequireKey(), idemserver.WithLease(serverLease)}
+	opts := []idemserver.Option{idemserver.RequireKey(), idemserver.WithLease(serverLease), idemserver.WithTTL(*ttl)}
 	if spec.transactional() {
 		runs, err := openLineLog(*ledgerPath)
 		if err != nil {
@@ -192,10 +193,13 @@ func insertPayment(table string, runs *lineLog, server int, outside *sql.DB) htt
 // receipt waits afterEffect and answers 201 with the receipt of op.
 func receipt(w http.ResponseWriter, op string) {
 	time.Sleep(afterEffect)
-	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Type", receiptType)
 	w.WriteHeader(http.StatusCreated)
 	_, _ = io.WriteString(w, receiptOf(op))
 }
+
+// receiptType is the Content-Type of every receipt, first or replayed.
+const receiptType = "application/json"
 
 // receiptOf is the body of op's receipt: every answer to op, first or
 // replayed, must be exactly this.

@@ -114,16 +114,30 @@ type worker struct {
 // drive makes the operations ops, n at a time, each until its outcome is
 // final.
 func (w *worker) drive(ctx context.Context, ops []string, n int) error {
+	err := forEach(ctx, ops, n, func(op string) {
+		if err := w.complete(ctx, op); err != nil {
+			w.mu.Lock()
+			w.failed = errors.Join(w.failed, err)
+			w.mu.Unlock()
+		}
+	})
+	if err != nil {
+		return err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.failed
+}
+
+// forEach calls do with each of ops, n calls at a time, until ctx ends,
+// and returns ctx's error if it ended.
+func forEach(ctx context.Context, ops []string, n int, do func(op string)) error {
 	jobs := make(chan string)
 	var wg sync.WaitGroup
 	for range max(n, 1) {
 		wg.Go(func() {
 			for op := range jobs {
-				if err := w.complete(ctx, op); err != nil {
-					w.mu.Lock()
-					w.failed = errors.Join(w.failed, err)
-					w.mu.Unlock()
-				}
+				do(op)
 			}
 		})
 	}
@@ -135,12 +149,7 @@ func (w *worker) drive(ctx context.Context, ops []string, n int) error {
 	}
 	close(jobs)
 	wg.Wait()
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.failed
+	return ctx.Err()
 }
 
 // complete sends op until its outcome is final, records it done and only
@@ -161,7 +170,7 @@ func (w *worker) complete(ctx context.Context, op string) error {
 			continue
 		}
 		replayed := strconv.FormatBool(resp.Header.Get(idemserver.ReplayedHeader) == "true")
-		err = w.log.append(true, "done", op, strconv.Itoa(resp.StatusCode), replayed)
+		err = w.log.append(true, "done", op, strconv.Itoa(resp.StatusCode), replayed, sentKey(resp))
 		if err != nil {
 			drain(resp)
 			return err
@@ -172,11 +181,8 @@ func (w *worker) complete(ctx context.Context, op string) error {
 		}
 		// A body cut in transit proves nothing about the answer; the key
 		// stays pending and the next worker drives op again.
-		want := receiptOf(op)
-		body, err := io.ReadAll(io.LimitReader(resp.Body, int64(len(want))+1))
-		drain(resp)
-		if err == nil && string(body) != want {
-			fmt.Fprintf(os.Stderr, "idemchaos client: %s: answered %q, want %q\n", op, body, want)
+		if wrong, err := checkReceipt(resp, op); err == nil && wrong != "" {
+			fmt.Fprintf(os.Stderr, "idemchaos client: %s: %s\n", op, wrong)
 			return w.log.append(true, "wrong", op)
 		}
 		return nil
@@ -184,16 +190,56 @@ func (w *worker) complete(ctx context.Context, op string) error {
 	return ctx.Err()
 }
 
+// checkReceipt reads and closes the body of a 201 that answers op, and says
+// how it differs from op's receipt, as the handler wrote it: its body and
+// its Content-Type, the one header field the handler sets ("" if it does
+// not). It fails if the body cannot be read.
+func checkReceipt(resp *http.Response, op string) (wrong string, err error) {
+	want := receiptOf(op)
+	body, err := io.ReadAll(io.LimitReader(resp.Body, int64(len(want))+1))
+	drain(resp)
+	switch {
+	case err != nil:
+		return "", err
+	case string(body) != want:
+		return fmt.Sprintf("body %q, want %q", body, want), nil
+	case resp.Header.Get("Content-Type") != receiptType:
+		return fmt.Sprintf("Content-Type %q, want %q", resp.Header.Get("Content-Type"), receiptType), nil
+	}
+	return "", nil
+}
+
 // pay sends one call of operation op.
 func (w *worker) pay(ctx context.Context, op string) (*http.Response, error) {
-	ctx = idemhttp.WithOperation(ctx, op)
+	req, err := payment(idemhttp.WithOperation(ctx, op), w.url, op)
+	if err != nil {
+		return nil, err
+	}
+	return w.client.Do(req)
+}
+
+// payment returns the request that pays op at the server at url; every
+// call of op sends the same one, so that its fingerprint never changes.
+func payment(ctx context.Context, url, op string) (*http.Request, error) {
 	body := fmt.Sprintf(`{"op":%q,"amount":100}`, op)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.url+"/pay/"+op, strings.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/pay/"+op, strings.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
-	return w.client.Do(req)
+	return req, nil
+}
+
+// sentKey returns the idempotency key of the attempt that resp answers
+// ("-" if it has none), for the check that its outcome is still replayed at
+// the end of the run.
+func sentKey(resp *http.Response) string {
+	if resp.Request != nil {
+		if k := resp.Request.Header.Get(idemhttp.DefaultKeyHeader); k != "" && !strings.ContainsAny(k, " \t\n") {
+			return k
+		}
+	}
+	return noKey
 }
 
 // final reports whether resp is an outcome the Transport releases the key
