@@ -178,17 +178,17 @@ func TestTransactionalHandlerThatEndsTxItselfKeepsRunning(t *testing.T) {
 	}
 }
 
-// connectWithPid opens a pool of one connection on db's schema whose server
+// connectWithPid opens a pool of one connection, with open, whose server
 // process has the pid that the ended process pid had, as a restarted server
 // (whose processes, in a container, get the same pids again) or a busy one
 // (whose pids wrap around) gives a new session. It sets the kernel's last
 // pid, which takes privileges: without them the test skips. Another process
 // of the machine may take the pid first; it tries again then.
-func connectWithPid(t *testing.T, db *testDB, pid int) *sql.DB {
+func connectWithPid(t *testing.T, open func() *sql.DB, pid int) *sql.DB {
 	t.Helper()
 	const lastPid = "/proc/sys/kernel/ns_last_pid"
 	for range 50 {
-		pool := db.open(t, 1)
+		pool := open()
 		if err := os.WriteFile(lastPid, []byte(strconv.Itoa(pid-1)), 0); err != nil {
 			t.Skipf("a session cannot be given a pid here: %v", err)
 		}
@@ -221,7 +221,7 @@ func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
 	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", pid).Scan(&ok))
 	require.True(t, ok)
 
-	pool := connectWithPid(t, db, pid)
+	pool := connectWithPid(t, func() *sql.DB { return db.open(t, 1) }, pid)
 	pool.SetMaxOpenConns(2) // one for the duplicate's claim, one for its check
 	dup, err := New(pool, WithTable(s.table.name), WithTransactional())
 	require.NoError(t, err)
@@ -274,4 +274,46 @@ func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
 		wg.Wait()
 		require.NoError(t, s.Release(context.WithoutCancel(ctx), c.Key, c.Token)) // frees its connection
 	}
+}
+
+func TestTransactionalExtendDoesNotTakeASessionOfARestartedServerForTheClaims(t *testing.T) {
+	// The server crashes (its machine lost its power, its container was
+	// killed) while a claim's handler runs, and comes back at once; a
+	// duplicate claims the key. Its session's server process may have the
+	// pid the claim's had (a restarted container's processes get the same
+	// pids again, in the same order), and its transaction the claim's id
+	// too: the claim's transaction never committed, and when nothing
+	// flushed its WAL before the crash, the server, recovered, hands out
+	// its id again. The duplicate's transaction then holds the key's lock
+	// under the claim's pid and transaction id. Extend must still report
+	// the first claim lost: its handler would otherwise go on acting
+	// beside the duplicate's.
+	srv := startPrivateServer(t)
+	s, err := New(srv.open(t, 2), WithTransactional())
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(t.Context()))
+	c, ctx := openClaim(t, s, "k")
+	pid := backendPid(t, ctx)
+
+	srv.crash()
+	pool := connectWithPid(t, func() *sql.DB { return srv.open(t, 1) }, pid)
+	pool.SetMaxOpenConns(2)
+	dup, err := New(pool, WithTransactional())
+	require.NoError(t, err)
+	d := testClaim("k", time.Minute)
+	d.Token = "token-duplicate"
+	dres, err := dup.Claim(t.Context(), d)
+	require.NoError(t, err)
+	require.True(t, dres.Claimed, "the first claim's transaction ended with the server: the duplicate claims the key")
+	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
+	require.Equal(t, pid, backendPid(t, dres.Context))
+	require.Equal(t, ctx.Value(txKey{}).(*txState).xid, dres.Context.Value(txKey{}).(*txState).xid,
+		"the restarted server gave the duplicate's transaction the claim's id")
+
+	// The first check may meet a connection the crash broke, and report
+	// nothing.
+	assert.Eventually(t, func() bool {
+		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+	}, 5*time.Second, 10*time.Millisecond, "the duplicate holds the key, in a session of the same pid and a transaction of the same id")
+	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
 }

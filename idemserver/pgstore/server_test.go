@@ -1,0 +1,105 @@
+package pgstore
+
+import (
+	"database/sql"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/require"
+)
+
+// A privateServer is a PostgreSQL server of one test's own, which the test
+// can crash and start again, as a server whose machine lost its power, or
+// whose container was killed, comes back. It listens on a socket in its
+// directory only.
+type privateServer struct {
+	t    testing.TB
+	bin  string // PostgreSQL's programs
+	dir  string
+	data string
+	dsn  string
+}
+
+// privatePort is the port that names the private server's socket.
+const privatePort = "5432"
+
+// startPrivateServer creates and starts a private server, stopped and
+// removed when the test ends. It skips the test where the shared server
+// is not named either (scripts/with-postgres.sh names one, and makes sure
+// PostgreSQL's programs are there), and fails it where they are missing.
+// Run by root, the server runs as the postgres user.
+func startPrivateServer(t testing.TB) *privateServer {
+	t.Helper()
+	if os.Getenv(dsnVariable) == "" {
+		t.Skipf("%s is not set; scripts/with-postgres.sh runs the tests with a throwaway PostgreSQL", dsnVariable)
+	}
+	bin := os.Getenv("PGBIN")
+	if bin == "" {
+		bin = "/usr/lib/postgresql/15/bin" // where scripts/with-postgres.sh looks
+	}
+	dir, err := os.MkdirTemp("", "pgstore-server-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	srv := &privateServer{t: t, bin: bin, dir: dir, data: filepath.Join(dir, "data"),
+		dsn: fmt.Sprintf("host=%s port=%s user=postgres dbname=postgres sslmode=disable", dir, privatePort)}
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		require.NoError(t, err, "PostgreSQL does not run as root")
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		require.NoError(t, os.Chown(dir, uid, gid))
+	}
+	srv.run("initdb", "-D", srv.data, "-A", "trust", "-U", "postgres", "--no-sync")
+	srv.start()
+	t.Cleanup(func() { srv.run("pg_ctl", "-D", srv.data, "-m", "immediate", "-w", "stop") })
+	return srv
+}
+
+// run runs one of PostgreSQL's programs as the server's user.
+func (srv *privateServer) run(program string, args ...string) {
+	srv.t.Helper()
+	path := filepath.Join(srv.bin, program)
+	cmd := exec.Command(path, args...)
+	if os.Geteuid() == 0 {
+		cmd = exec.Command("runuser", append([]string{"-u", "postgres", "--", path}, args...)...)
+	}
+	out, err := cmd.CombinedOutput()
+	require.NoError(srv.t, err, "%s: %s", program, out)
+}
+
+// start starts the server. Autovacuum is off, so that no transaction but
+// the test's takes a transaction id, and the WAL writer waits 10 s between
+// rounds, so that a transaction that has not committed for less than that
+// has its WAL in the server's memory only, and a crash loses it.
+func (srv *privateServer) start() {
+	srv.t.Helper()
+	srv.run("pg_ctl", "-D", srv.data, "-l", filepath.Join(srv.dir, "server.log"), "-w", "-t", "30", "start",
+		"-o", "-p "+privatePort+" -k "+srv.dir+" -c listen_addresses='' -c autovacuum=off -c wal_writer_delay=10s")
+}
+
+// crash stops the server at once, as a power loss does (nothing is
+// flushed, and the next start recovers from the WAL), and starts it again.
+func (srv *privateServer) crash() {
+	srv.t.Helper()
+	srv.run("pg_ctl", "-D", srv.data, "-m", "immediate", "-w", "stop")
+	srv.start()
+}
+
+// open returns a pool on the server, closed when the test ends.
+func (srv *privateServer) open(t testing.TB, maxConns int) *sql.DB {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(srv.dsn)
+	require.NoError(t, err)
+	pool := stdlib.OpenDB(*cfg)
+	pool.SetMaxOpenConns(maxConns)
+	pool.SetMaxIdleConns(maxConns)
+	t.Cleanup(func() { _ = pool.Close() })
+	return pool
+}
