@@ -227,7 +227,9 @@ FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT E
 		// The server's start names the server's run; within one run an id
 		// is given once, and a process that crashed takes its server's
 		// shared memory, and every session, down with it, but not the
-		// server, whose new processes then get new pids. A transaction
+		// server, whose new processes then get new pids (the same pid and
+		// id together only after the machine's pids wrapped around within
+		// the crash). A transaction
 		// holds the lock of its own id, which shows in pg_locks as its low
 		// 32 bits; an advisory lock on a bigint shows as its high and low
 		// 32 bits, with objsubid 1. Whether the claim's row was committed

@@ -92,6 +92,21 @@ func (srv *privateServer) crash() {
 	srv.start()
 }
 
+// setNextXid makes the server's next transaction id xid of epoch epoch, as
+// on a server that has run that many transactions: it freezes every row,
+// whose creators' ids would otherwise seem to come after it, and restarts
+// the server with pg_resetwal's new counter. xid must be the first of a
+// commit log segment (a multiple of 2^20), whose file the server then
+// creates.
+func (srv *privateServer) setNextXid(epoch, xid uint32) {
+	srv.t.Helper()
+	srv.run("vacuumdb", "-h", srv.dir, "-p", privatePort, "-U", "postgres", "--all", "--freeze", "--quiet")
+	srv.run("pg_ctl", "-D", srv.data, "-m", "fast", "-w", "stop")
+	x := strconv.FormatUint(uint64(xid), 10)
+	srv.run("pg_resetwal", "-D", srv.data, "-e", strconv.FormatUint(uint64(epoch), 10), "-x", x, "-u", x)
+	srv.start()
+}
+
 // open returns a pool on the server, closed when the test ends.
 func (srv *privateServer) open(t testing.TB, maxConns int) *sql.DB {
 	t.Helper()

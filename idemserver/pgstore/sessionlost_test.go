@@ -317,3 +317,28 @@ func TestTransactionalExtendDoesNotTakeASessionOfARestartedServerForTheClaims(t 
 	}, 5*time.Second, 10*time.Millisecond, "the duplicate holds the key, in a session of the same pid and a transaction of the same id")
 	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
 }
+
+func TestTransactionalExtendPastTwoToTheThirtyTwoTransactions(t *testing.T) {
+	// A claim's transaction id, from txid_current, counts the times the
+	// server's 32-bit ids wrapped around; pg_locks shows the 32-bit id.
+	// Past 2^32 transactions, and with an id whose top bit is set, the
+	// check must still find an open claim held, and one whose session
+	// ended lost.
+	srv := startPrivateServer(t)
+	srv.setNextXid(1, 1<<31+1<<20)
+	db := srv.open(t, 2)
+	s, err := New(db, WithTransactional())
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(t.Context()))
+	c, ctx := openClaim(t, s, "k")
+	require.Equal(t, int64(1)<<32+1<<31+1<<20+1, ctx.Value(txKey{}).(*txState).xid,
+		"the claim's transaction is the second since the reset, Migrate's the first")
+
+	for range 3 {
+		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+	}
+	var ok bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", backendPid(t, ctx)).Scan(&ok))
+	require.True(t, ok)
+	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+}
