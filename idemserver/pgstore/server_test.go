@@ -8,7 +8,9 @@ import (
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -90,6 +92,26 @@ func (srv *privateServer) crash() {
 	srv.t.Helper()
 	srv.run("pg_ctl", "-D", srv.data, "-m", "immediate", "-w", "stop")
 	srv.start()
+}
+
+// crashProcess kills a process of the server, as the kernel's OOM killer
+// does, and waits for the server to be back: the server ends every other
+// session too, and recovers from the WAL, without restarting itself.
+func (srv *privateServer) crashProcess() {
+	srv.t.Helper()
+	victim, witness := srv.open(srv.t, 1), srv.open(srv.t, 1)
+	var pid int
+	require.NoError(srv.t, victim.QueryRowContext(srv.t.Context(), "SELECT pg_backend_pid()").Scan(&pid))
+	require.NoError(srv.t, witness.PingContext(srv.t.Context()))
+	require.NoError(srv.t, syscall.Kill(pid, syscall.SIGKILL))
+	require.Eventually(srv.t, func() bool {
+		return witness.QueryRowContext(srv.t.Context(), "SELECT").Scan() != nil
+	}, 30*time.Second, 10*time.Millisecond, "the server ends every session")
+	require.Eventually(srv.t, func() bool {
+		pool := srv.open(srv.t, 1)
+		defer pool.Close()
+		return pool.PingContext(srv.t.Context()) == nil
+	}, 30*time.Second, 10*time.Millisecond, "the server recovers")
 }
 
 // setNextXid makes the server's next transaction id xid of epoch epoch, as

@@ -342,3 +342,77 @@ func TestTransactionalExtendPastTwoToTheThirtyTwoTransactions(t *testing.T) {
 	require.True(t, ok)
 	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
 }
+
+func TestTransactionalExtendDoesNotTakeASessionOfARecoveredServerForTheClaims(t *testing.T) {
+	// A process of the server crashes (the OOM killer) while a claim's
+	// handler runs: the server ends every session and recovers, without
+	// restarting itself, and a duplicate claims the key at once. The
+	// claim's transaction id is given again, as after a restart, when its
+	// WAL was not written; and the duplicate's session may have the
+	// claim's pid, once the machine's pids wrapped around. Extend must
+	// still report the first claim lost.
+	srv := startPrivateServer(t)
+	s, err := New(srv.open(t, 2), WithTransactional())
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(t.Context()))
+	c, ctx := openClaim(t, s, "k")
+	pid := backendPid(t, ctx)
+
+	srv.crashProcess()
+	pool := connectWithPid(t, func() *sql.DB { return srv.open(t, 1) }, pid)
+	pool.SetMaxOpenConns(2)
+	dup, err := New(pool, WithTransactional())
+	require.NoError(t, err)
+	d := testClaim("k", time.Minute)
+	d.Token = "token-duplicate"
+	dres, err := dup.Claim(t.Context(), d)
+	require.NoError(t, err)
+	require.True(t, dres.Claimed, "the first claim's transaction ended with its session: the duplicate claims the key")
+	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
+	require.Equal(t, pid, backendPid(t, dres.Context))
+	require.Equal(t, ctx.Value(txKey{}).(*txState).xid, dres.Context.Value(txKey{}).(*txState).xid,
+		"the recovered server gave the duplicate's transaction the claim's id")
+
+	assert.Eventually(t, func() bool {
+		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+	}, 5*time.Second, 10*time.Millisecond, "the duplicate holds the key, in a session of the same pid and a transaction of the same id")
+	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
+}
+
+func TestTransactionalExtendUnderARoleThatCannotSeeTheSession(t *testing.T) {
+	// The check asks when the claim's session began; a connection whose
+	// role may not see that (a handler left a SET ROLE on it, against
+	// the package's advice) does not see it, and must take the session
+	// for the claim's rather than report a live claim lost.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	role := "idemtest_role_" + db.schema
+	_, err := db.ExecContext(t.Context(), "CREATE ROLE "+role)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP ROLE "+role) })
+	_, err = db.ExecContext(t.Context(), fmt.Sprintf("GRANT USAGE ON SCHEMA %s TO %s; GRANT SELECT ON %s TO %[2]s", db.schema, role, s.table.quoted()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP OWNED BY "+role) })
+	c, ctx := openClaim(t, s, "k")
+
+	// The pool's other connection, the check's, takes the role.
+	_, err = db.ExecContext(t.Context(), "SET ROLE "+role)
+	require.NoError(t, err)
+	var seen sql.NullTime
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT backend_start FROM pg_stat_get_activity($1)", backendPid(t, ctx)).Scan(&seen))
+	require.False(t, seen.Valid, "the role does not see when the claim's session began")
+	for range 3 {
+		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+	}
+
+	_, err = db.ExecContext(t.Context(), "RESET ROLE")
+	require.NoError(t, err)
+	var ok bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", backendPid(t, ctx)).Scan(&ok))
+	require.True(t, ok)
+	_, err = db.ExecContext(t.Context(), "SET ROLE "+role)
+	require.NoError(t, err)
+	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+	_, err = db.ExecContext(t.Context(), "RESET ROLE")
+	require.NoError(t, err)
+}
