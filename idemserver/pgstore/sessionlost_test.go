@@ -203,6 +203,26 @@ func connectWithPid(t *testing.T, open func() *sql.DB, pid int) *sql.DB {
 	return nil
 }
 
+// claimWithPid claims key "k", as a duplicate of an ended claim whose
+// server process was pid, in a transactional store over a pool from open
+// whose session has that pid again (see connectWithPid). It returns the
+// store, the claim and the claimed request's context.
+func claimWithPid(t *testing.T, open func() *sql.DB, pid int, opts ...Option) (*Store, idemserver.Claim, context.Context) {
+	t.Helper()
+	pool := connectWithPid(t, open, pid)
+	pool.SetMaxOpenConns(2) // one for the duplicate's claim, one for its check
+	dup, err := New(pool, append(opts, WithTransactional())...)
+	require.NoError(t, err)
+	d := testClaim("k", time.Minute)
+	d.Token = "token-duplicate"
+	res, err := dup.Claim(t.Context(), d)
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "the first claim's session ended: the duplicate claims the key")
+	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(res.Context), d.Key, d.Token) })
+	require.Equal(t, pid, backendPid(t, res.Context))
+	return dup, d, res.Context
+}
+
 func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
 	// The server ends the session of a claim while its handler runs, and
 	// a duplicate claims the key at once, on a new session whose server
@@ -221,21 +241,11 @@ func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
 	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", pid).Scan(&ok))
 	require.True(t, ok)
 
-	pool := connectWithPid(t, func() *sql.DB { return db.open(t, 1) }, pid)
-	pool.SetMaxOpenConns(2) // one for the duplicate's claim, one for its check
-	dup, err := New(pool, WithTable(s.table.name), WithTransactional())
-	require.NoError(t, err)
-	d := testClaim("k", time.Minute)
-	d.Token = "token-duplicate"
-	dres, err := dup.Claim(t.Context(), d)
-	require.NoError(t, err)
-	require.True(t, dres.Claimed, "the first claim's session ended: the duplicate claims the key")
-	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
-	require.Equal(t, pid, backendPid(t, dres.Context))
+	dup, d, dctx := claimWithPid(t, func() *sql.DB { return db.open(t, 1) }, pid, WithTable(s.table.name))
 
 	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost,
 		"the duplicate holds the key, in a session of the same pid")
-	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
+	require.NoError(t, dup.Extend(dctx, d.Key, d.Token, time.Now().Add(time.Minute)))
 }
 
 func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
@@ -276,48 +286,6 @@ func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
 	}
 }
 
-func TestTransactionalExtendDoesNotTakeASessionOfARestartedServerForTheClaims(t *testing.T) {
-	// The server crashes (its machine lost its power, its container was
-	// killed) while a claim's handler runs, and comes back at once; a
-	// duplicate claims the key. Its session's server process may have the
-	// pid the claim's had (a restarted container's processes get the same
-	// pids again, in the same order), and its transaction the claim's id
-	// too: the claim's transaction never committed, and when nothing
-	// flushed its WAL before the crash, the server, recovered, hands out
-	// its id again. The duplicate's transaction then holds the key's lock
-	// under the claim's pid and transaction id. Extend must still report
-	// the first claim lost: its handler would otherwise go on acting
-	// beside the duplicate's.
-	srv := startPrivateServer(t)
-	s, err := New(srv.open(t, 2), WithTransactional())
-	require.NoError(t, err)
-	require.NoError(t, s.Migrate(t.Context()))
-	c, ctx := openClaim(t, s, "k")
-	pid := backendPid(t, ctx)
-
-	srv.crash()
-	pool := connectWithPid(t, func() *sql.DB { return srv.open(t, 1) }, pid)
-	pool.SetMaxOpenConns(2)
-	dup, err := New(pool, WithTransactional())
-	require.NoError(t, err)
-	d := testClaim("k", time.Minute)
-	d.Token = "token-duplicate"
-	dres, err := dup.Claim(t.Context(), d)
-	require.NoError(t, err)
-	require.True(t, dres.Claimed, "the first claim's transaction ended with the server: the duplicate claims the key")
-	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
-	require.Equal(t, pid, backendPid(t, dres.Context))
-	require.Equal(t, ctx.Value(txKey{}).(*txState).xid, dres.Context.Value(txKey{}).(*txState).xid,
-		"the restarted server gave the duplicate's transaction the claim's id")
-
-	// The first check may meet a connection the crash broke, and report
-	// nothing.
-	assert.Eventually(t, func() bool {
-		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
-	}, 5*time.Second, 10*time.Millisecond, "the duplicate holds the key, in a session of the same pid and a transaction of the same id")
-	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
-}
-
 func TestTransactionalExtendPastTwoToTheThirtyTwoTransactions(t *testing.T) {
 	// A claim's transaction id, from txid_current, counts the times the
 	// server's 32-bit ids wrapped around; pg_locks shows the 32-bit id.
@@ -343,40 +311,46 @@ func TestTransactionalExtendPastTwoToTheThirtyTwoTransactions(t *testing.T) {
 	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
 }
 
-func TestTransactionalExtendDoesNotTakeASessionOfARecoveredServerForTheClaims(t *testing.T) {
-	// A process of the server crashes (the OOM killer) while a claim's
-	// handler runs: the server ends every session and recovers, without
-	// restarting itself, and a duplicate claims the key at once. The
-	// claim's transaction id is given again, as after a restart, when its
-	// WAL was not written; and the duplicate's session may have the
-	// claim's pid, once the machine's pids wrapped around. Extend must
-	// still report the first claim lost.
-	srv := startPrivateServer(t)
-	s, err := New(srv.open(t, 2), WithTransactional())
-	require.NoError(t, err)
-	require.NoError(t, s.Migrate(t.Context()))
-	c, ctx := openClaim(t, s, "k")
-	pid := backendPid(t, ctx)
+func TestTransactionalExtendDoesNotTakeASessionOfACrashedServerForTheClaims(t *testing.T) {
+	// The server, or one of its processes, crashes while a claim's
+	// handler runs; the server comes back at once, restarted or only
+	// recovered, and a duplicate claims the key. The duplicate's
+	// transaction may get the claim's id: the claim's never committed,
+	// and when nothing wrote its WAL before the crash, the server hands
+	// out its id again. Its session's process may get the claim's pid: a
+	// restarted container's processes get the same pids again, in the
+	// same order, and a machine's pids wrap around. The duplicate's
+	// transaction then holds the key's lock under the claim's pid and
+	// transaction id. Extend must still report the first claim lost: its
+	// handler would otherwise go on acting beside the duplicate's.
+	for _, tt := range []struct {
+		name  string
+		crash func(*privateServer)
+	}{
+		{"restarted", (*privateServer).crash},        // power lost, container killed
+		{"recovered", (*privateServer).crashProcess}, // a process killed by the OOM killer
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := startPrivateServer(t)
+			s, err := New(srv.open(t, 2), WithTransactional())
+			require.NoError(t, err)
+			require.NoError(t, s.Migrate(t.Context()))
+			c, ctx := openClaim(t, s, "k")
+			pid := backendPid(t, ctx)
 
-	srv.crashProcess()
-	pool := connectWithPid(t, func() *sql.DB { return srv.open(t, 1) }, pid)
-	pool.SetMaxOpenConns(2)
-	dup, err := New(pool, WithTransactional())
-	require.NoError(t, err)
-	d := testClaim("k", time.Minute)
-	d.Token = "token-duplicate"
-	dres, err := dup.Claim(t.Context(), d)
-	require.NoError(t, err)
-	require.True(t, dres.Claimed, "the first claim's transaction ended with its session: the duplicate claims the key")
-	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
-	require.Equal(t, pid, backendPid(t, dres.Context))
-	require.Equal(t, ctx.Value(txKey{}).(*txState).xid, dres.Context.Value(txKey{}).(*txState).xid,
-		"the recovered server gave the duplicate's transaction the claim's id")
+			tt.crash(srv)
+			dup, d, dctx := claimWithPid(t, func() *sql.DB { return srv.open(t, 1) }, pid)
+			require.Equal(t, ctx.Value(txKey{}).(*txState).xid, dctx.Value(txKey{}).(*txState).xid,
+				"the server gave the duplicate's transaction the claim's id")
 
-	assert.Eventually(t, func() bool {
-		return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
-	}, 5*time.Second, 10*time.Millisecond, "the duplicate holds the key, in a session of the same pid and a transaction of the same id")
-	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
+			// The first check may meet a connection the crash broke, and
+			// report nothing.
+			assert.Eventually(t, func() bool {
+				return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+			}, 5*time.Second, 10*time.Millisecond, "the duplicate holds the key, in a session of the same pid and a transaction of the same id")
+			require.NoError(t, dup.Extend(dctx, d.Key, d.Token, time.Now().Add(time.Minute)))
+		})
+	}
 }
 
 func TestTransactionalExtendUnderARoleThatCannotSeeTheSession(t *testing.T) {
