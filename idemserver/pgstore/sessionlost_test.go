@@ -178,17 +178,17 @@ func TestTransactionalHandlerThatEndsTxItselfKeepsRunning(t *testing.T) {
 	}
 }
 
-// connectWithPid opens a pool of one connection on db's schema whose server
+// connectWithPid opens a pool of one connection, with open, whose server
 // process has the pid that the ended process pid had, as a restarted server
 // (whose processes, in a container, get the same pids again) or a busy one
 // (whose pids wrap around) gives a new session. It sets the kernel's last
 // pid, which takes privileges: without them the test skips. Another process
 // of the machine may take the pid first; it tries again then.
-func connectWithPid(t *testing.T, db *testDB, pid int) *sql.DB {
+func connectWithPid(t *testing.T, open func() *sql.DB, pid int) *sql.DB {
 	t.Helper()
 	const lastPid = "/proc/sys/kernel/ns_last_pid"
 	for range 50 {
-		pool := db.open(t, 1)
+		pool := open()
 		if err := os.WriteFile(lastPid, []byte(strconv.Itoa(pid-1)), 0); err != nil {
 			t.Skipf("a session cannot be given a pid here: %v", err)
 		}
@@ -201,6 +201,26 @@ func connectWithPid(t *testing.T, db *testDB, pid int) *sql.DB {
 	}
 	t.Skip("the machine's other processes took the pid every time")
 	return nil
+}
+
+// claimWithPid claims key "k", as a duplicate of an ended claim whose
+// server process was pid, in a transactional store over a pool from open
+// whose session has that pid again (see connectWithPid). It returns the
+// store, the claim and the claimed request's context.
+func claimWithPid(t *testing.T, open func() *sql.DB, pid int, opts ...Option) (*Store, idemserver.Claim, context.Context) {
+	t.Helper()
+	pool := connectWithPid(t, open, pid)
+	pool.SetMaxOpenConns(2) // one for the duplicate's claim, one for its check
+	dup, err := New(pool, append(opts, WithTransactional())...)
+	require.NoError(t, err)
+	d := testClaim("k", time.Minute)
+	d.Token = "token-duplicate"
+	res, err := dup.Claim(t.Context(), d)
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "the first claim's session ended: the duplicate claims the key")
+	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(res.Context), d.Key, d.Token) })
+	require.Equal(t, pid, backendPid(t, res.Context))
+	return dup, d, res.Context
 }
 
 func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
@@ -221,21 +241,11 @@ func TestTransactionalExtendDoesNotTakeANewSessionForTheClaims(t *testing.T) {
 	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", pid).Scan(&ok))
 	require.True(t, ok)
 
-	pool := connectWithPid(t, db, pid)
-	pool.SetMaxOpenConns(2) // one for the duplicate's claim, one for its check
-	dup, err := New(pool, WithTable(s.table.name), WithTransactional())
-	require.NoError(t, err)
-	d := testClaim("k", time.Minute)
-	d.Token = "token-duplicate"
-	dres, err := dup.Claim(t.Context(), d)
-	require.NoError(t, err)
-	require.True(t, dres.Claimed, "the first claim's session ended: the duplicate claims the key")
-	t.Cleanup(func() { _ = dup.Release(context.WithoutCancel(dres.Context), d.Key, d.Token) })
-	require.Equal(t, pid, backendPid(t, dres.Context))
+	dup, d, dctx := claimWithPid(t, func() *sql.DB { return db.open(t, 1) }, pid, WithTable(s.table.name))
 
 	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost,
 		"the duplicate holds the key, in a session of the same pid")
-	require.NoError(t, dup.Extend(dres.Context, d.Key, d.Token, time.Now().Add(time.Minute)))
+	require.NoError(t, dup.Extend(dctx, d.Key, d.Token, time.Now().Add(time.Minute)))
 }
 
 func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
@@ -274,4 +284,109 @@ func TestTransactionalExtendSeesACommitThatReleasedTheLock(t *testing.T) {
 		wg.Wait()
 		require.NoError(t, s.Release(context.WithoutCancel(ctx), c.Key, c.Token)) // frees its connection
 	}
+}
+
+func TestTransactionalExtendPastTwoToTheThirtyTwoTransactions(t *testing.T) {
+	// A claim's transaction id, from txid_current, counts the times the
+	// server's 32-bit ids wrapped around; pg_locks shows the 32-bit id.
+	// Past 2^32 transactions, and with an id whose top bit is set, the
+	// check must still find an open claim held, and one whose session
+	// ended lost.
+	srv := startPrivateServer(t)
+	srv.setNextXid(1, 1<<31+1<<20)
+	db := srv.open(t, 2)
+	s, err := New(db, WithTransactional())
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(t.Context()))
+	c, ctx := openClaim(t, s, "k")
+	require.Equal(t, int64(1)<<32+1<<31+1<<20+1, ctx.Value(txKey{}).(*txState).xid,
+		"the claim's transaction is the second since the reset, Migrate's the first")
+
+	for range 3 {
+		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+	}
+	var ok bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", backendPid(t, ctx)).Scan(&ok))
+	require.True(t, ok)
+	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+}
+
+func TestTransactionalExtendDoesNotTakeASessionOfACrashedServerForTheClaims(t *testing.T) {
+	// The server, or one of its processes, crashes while a claim's
+	// handler runs; the server comes back at once, restarted or only
+	// recovered, and a duplicate claims the key. The duplicate's
+	// transaction may get the claim's id: the claim's never committed,
+	// and when nothing wrote its WAL before the crash, the server hands
+	// out its id again. Its session's process may get the claim's pid: a
+	// restarted container's processes get the same pids again, in the
+	// same order, and a machine's pids wrap around. The duplicate's
+	// transaction then holds the key's lock under the claim's pid and
+	// transaction id. Extend must still report the first claim lost: its
+	// handler would otherwise go on acting beside the duplicate's.
+	for _, tt := range []struct {
+		name  string
+		crash func(*privateServer)
+	}{
+		{"restarted", (*privateServer).crash},        // power lost, container killed
+		{"recovered", (*privateServer).crashProcess}, // a process killed by the OOM killer
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := startPrivateServer(t)
+			s, err := New(srv.open(t, 2), WithTransactional())
+			require.NoError(t, err)
+			require.NoError(t, s.Migrate(t.Context()))
+			c, ctx := openClaim(t, s, "k")
+			pid := backendPid(t, ctx)
+
+			tt.crash(srv)
+			dup, d, dctx := claimWithPid(t, func() *sql.DB { return srv.open(t, 1) }, pid)
+			require.Equal(t, ctx.Value(txKey{}).(*txState).xid, dctx.Value(txKey{}).(*txState).xid,
+				"the server gave the duplicate's transaction the claim's id")
+
+			// The first check may meet a connection the crash broke, and
+			// report nothing.
+			assert.Eventually(t, func() bool {
+				return errors.Is(s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+			}, 5*time.Second, 10*time.Millisecond, "the duplicate holds the key, in a session of the same pid and a transaction of the same id")
+			require.NoError(t, dup.Extend(dctx, d.Key, d.Token, time.Now().Add(time.Minute)))
+		})
+	}
+}
+
+func TestTransactionalExtendUnderARoleThatCannotSeeTheSession(t *testing.T) {
+	// The check asks when the claim's session began; a connection whose
+	// role may not see that (a handler left a SET ROLE on it, against
+	// the package's advice) does not see it, and must take the session
+	// for the claim's rather than report a live claim lost.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	role := "idemtest_role_" + db.schema
+	_, err := db.ExecContext(t.Context(), "CREATE ROLE "+role)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP ROLE "+role) })
+	_, err = db.ExecContext(t.Context(), fmt.Sprintf("GRANT USAGE ON SCHEMA %s TO %s; GRANT SELECT ON %s TO %[2]s", db.schema, role, s.table.quoted()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), "DROP OWNED BY "+role) })
+	c, ctx := openClaim(t, s, "k")
+
+	// The pool's other connection, the check's, takes the role.
+	_, err = db.ExecContext(t.Context(), "SET ROLE "+role)
+	require.NoError(t, err)
+	var seen sql.NullTime
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT backend_start FROM pg_stat_get_activity($1)", backendPid(t, ctx)).Scan(&seen))
+	require.False(t, seen.Valid, "the role does not see when the claim's session began")
+	for range 3 {
+		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+	}
+
+	_, err = db.ExecContext(t.Context(), "RESET ROLE")
+	require.NoError(t, err)
+	var ok bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", backendPid(t, ctx)).Scan(&ok))
+	require.True(t, ok)
+	_, err = db.ExecContext(t.Context(), "SET ROLE "+role)
+	require.NoError(t, err)
+	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+	_, err = db.ExecContext(t.Context(), "RESET ROLE")
+	require.NoError(t, err)
 }

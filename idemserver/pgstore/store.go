@@ -60,10 +60,12 @@
 //   - A claim holds while its transaction is open, however long. Extend
 //     asks, on another pool connection, whether the transaction's server
 //     process still holds the key's advisory lock in that transaction,
-//     named by its id rather than by the pid alone, which a later session
-//     may get (or, asked after that, whether the claim's row was
-//     committed, by a handler that committed Tx itself): once the server
-//     ended the session (idle_in_transaction_session_timeout,
+//     named by its id, its server's start and its session's start
+//     rather than by the pid alone, which a later session may get, or by
+//     the id alone, which a server recovered from a crash may give again
+//     (or, asked after that, whether the claim's row was committed, by a
+//     handler that committed Tx itself): once the server ended the
+//     session (idle_in_transaction_session_timeout,
 //     pg_terminate_backend, a restart), the claim is gone and a duplicate
 //     may run, so Extend reports the claim lost and the middleware ends
 //     the handler's context, at the handler's next extension. A check

@@ -73,6 +73,8 @@ type txState struct {
 	key   idemserver.Key
 	token string
 	pid   int64       // the server process of the transaction
+	start int64       // when the server started (see serverStarted)
+	began int64       // when the transaction began (see txBegan)
 	xid   int64       // the transaction's id (txid_current)
 	lock  int64       // the key's advisory lock, which the transaction holds
 	rerun atomic.Bool // the handler asked for a rerun
@@ -177,7 +179,7 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			r           row
 		)
 		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
-			Scan(append([]any{&locked, &won, &st.pid, &st.lock, &xid}, r.dest()...)...)
+			Scan(append([]any{&locked, &won, &st.pid, &st.start, &st.began, &st.lock, &xid}, r.dest()...)...)
 		st.xid = xid.Int64
 		switch {
 		case err == nil && won:
@@ -275,8 +277,10 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 // handler may be using it, and a statement there would count as activity
 // against idle_in_transaction_session_timeout. Another connection asks
 // whether the claim's server process still holds the key's advisory lock
-// in the claim's transaction (by its id: a new session may have the ended
-// one's pid, and a duplicate's transaction there the same lock), and only
+// in the claim's transaction (by its id, its server's start and its
+// session's start: a new session may have the ended one's pid, and a
+// duplicate's transaction there the same lock, and on a server recovered
+// from a crash the same id too; see the statement held), and only
 // if it does not, whether the claim's row was committed, by a handler that
 // committed the transaction itself (against Tx's contract; its claim still
 // holds the key). The row is read by a statement of its own, whose
@@ -291,7 +295,7 @@ func (s *Store) extendTx(ctx context.Context, st *txState) error {
 	var held bool
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
 		defer conn.Close()
-		if err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, st.xid).Scan(&held); err != nil || held {
+		if err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, st.xid, st.start, st.began).Scan(&held); err != nil || held {
 			return err
 		}
 		var r row

@@ -203,6 +203,29 @@ func TestTransactionalRoundTrips(t *testing.T) {
 	assert.Equal(t, int64(1), calls("new"), "replay: the read")
 }
 
+func TestTransactionalExtendRoundTrips(t *testing.T) {
+	// An extension of an open claim is one statement; one whose lock is
+	// gone reads the claim's row too.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	c, ctx := openClaim(t, s, "k")
+	extend := func() (int64, error) {
+		before := db.calls.Load()
+		err := s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute))
+		return db.calls.Load() - before, err
+	}
+	for range 3 {
+		n, err := extend()
+		require.NoError(t, err)
+		assert.Equal(t, int64(1), n, "open claim: the check of its lock")
+	}
+	require.NoError(t, Tx(ctx).Commit()) // the handler commits itself: the lock is gone, the row is there
+	n, err := extend()
+	require.NoError(t, err)
+	assert.Equal(t, int64(2), n, "committed claim: the check of its lock, the read of its row")
+	require.NoError(t, s.Release(context.WithoutCancel(ctx), c.Key, c.Token))
+}
+
 func TestTransactionalDuplicateInFlightRoundTrips(t *testing.T) {
 	// A duplicate of a claim whose transaction is still open costs four
 	// round trips (read, begin, the claim that does not get the lock,
