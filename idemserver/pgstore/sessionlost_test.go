@@ -399,3 +399,72 @@ func TestTransactionalExtendUnderARoleThatCannotSeeTheSession(t *testing.T) {
 	_, err = db.ExecContext(t.Context(), "RESET ROLE")
 	require.NoError(t, err)
 }
+
+func TestTransactionalExtendHoldsWhenTheClockSeemsSteppedBack(t *testing.T) {
+	// The database server's clock is stepped back between the start of a
+	// claim's session and the start of its transaction: by that clock, the
+	// session began after the transaction. The real clock cannot be
+	// stepped here, so the check's connection is shown that reckoning
+	// instead: a pg_stat_get_activity of the test's schema, found before
+	// pg_catalog's, reports every session as begun an hour from now. A
+	// live claim must hold whatever the clock says.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	_, err := db.ExecContext(t.Context(), `CREATE FUNCTION pg_stat_get_activity(pid int, OUT backend_start timestamptz)
+	RETURNS SETOF timestamptz LANGUAGE sql AS $$ SELECT now() + interval '1 hour' $$`)
+	require.NoError(t, err)
+	c, ctx := openClaim(t, s, "k")
+
+	// The pool's other connection, the check's, searches the test's
+	// schema first.
+	_, err = db.ExecContext(t.Context(), "SET search_path = "+db.schema+", pg_catalog")
+	require.NoError(t, err)
+	var start time.Time
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT backend_start FROM pg_stat_get_activity($1)", backendPid(t, ctx)).Scan(&start))
+	require.True(t, start.After(time.Now()), "the check's connection sees the claim's session begin after its transaction")
+	for range 3 {
+		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
+	}
+
+	var ok bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1, 10000)", backendPid(t, ctx)).Scan(&ok))
+	require.True(t, ok)
+	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
+}
+
+func TestTransactionalClaimFailsWhenItsTokensLockIsHeld(t *testing.T) {
+	// Only a claim's own transaction takes its token's lock, which is
+	// what tells its check the transaction is open. A claim that finds
+	// the lock held elsewhere (a token reused, or a collision of two
+	// 64-bit hashes) could be taken for alive after its transaction
+	// ended: it must fail, writing nothing and holding nothing.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	c := testClaim("k", time.Minute)
+	conn, err := db.Conn(t.Context())
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = conn.ExecContext(t.Context(), "SELECT pg_advisory_lock($1 # $2::regclass::oid::int8)", s.tokenLockID(c.Token), s.table.quoted())
+	require.NoError(t, err)
+
+	res, err := s.Claim(t.Context(), c)
+	if err == nil && res.Claimed {
+		t.Cleanup(func() { _ = s.Release(context.WithoutCancel(res.Context), c.Key, c.Token) })
+	}
+	require.ErrorContains(t, err, "another session holds the advisory lock of the claim's token")
+	require.NotErrorIs(t, err, idemserver.ErrLeaseLost)
+	var n int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM "+s.table.quoted()).Scan(&n))
+	assert.Zero(t, n, "the failed claim wrote nothing")
+
+	// It holds neither the key nor a connection: a claim with a new
+	// token gets the key.
+	_, err = conn.ExecContext(t.Context(), "SELECT pg_advisory_unlock_all()")
+	require.NoError(t, err)
+	require.NoError(t, conn.Close())
+	c.Token = "token-new"
+	res, err = s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	require.NoError(t, s.Release(res.Context, c.Key, c.Token))
+}
