@@ -371,10 +371,9 @@ func TestTransactionalExtendDoesNotTakeASessionOfACrashedServerForTheClaims(t *t
 }
 
 func TestTransactionalExtendUnderARoleThatCannotSeeTheSession(t *testing.T) {
-	// The check asks when the claim's session began; a connection whose
-	// role may not see that (a handler left a SET ROLE on it, against
-	// the package's advice) does not see it, and must take the session
-	// for the claim's rather than report a live claim lost.
+	// A connection whose role may not see other sessions' activity (a
+	// handler left a SET ROLE on it, against the package's advice) must
+	// still find a live claim held, and one whose session ended lost.
 	db := newTestDB(t, 2)
 	s := db.newStore(t, WithTransactional())
 	role := "idemtest_role_" + db.schema
