@@ -96,15 +96,6 @@ func quoteIdent(s string) string {
 	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
 }
 
-// serverStarted is when the server started, and txBegan when the
-// statement's transaction began, in microseconds since 1970: integers,
-// which the claim reads and its checks compare, whatever the session's
-// time zone.
-const (
-	serverStarted = `(extract(epoch FROM pg_postmaster_start_time()) * 1000000)::int8`
-	txBegan       = `(extract(epoch FROM now()) * 1000000)::int8`
-)
-
 // statements holds the SQL of one table.
 type statements struct {
 	ddl      []string
@@ -197,62 +188,36 @@ WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		read: r.Replace(`SELECT ` + rowColumns + ` FROM {table}
 WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
-		// transaction: with the key's advisory lock, taken without
-		// waiting, it inserts the claim; it always returns one row, with
-		// the lock, the process that holds it, when its server started,
-		// when the transaction began and, when it holds the lock, the
-		// transaction's id (see held), which the insert, or the replace
-		// that follows, assigns anyway. The lock is the key's (see
-		// lockID) mixed with the table's oid: a name without a schema
-		// names a different table under each search_path, and those
-		// tables' keys must not share locks.
+		// transaction: with the key's advisory lock and its token's (see
+		// tokenLockID), both taken without waiting, it inserts the claim;
+		// it always returns one row, with whether it got each lock and
+		// the token's lock, which the claim's checks look for (see held).
+		// The locks are the key's (see lockID) and the token's mixed with
+		// the table's oid: a name without a schema names a different
+		// table under each search_path, and those tables' keys must not
+		// share locks. The lock CTE is read twice, so it runs once.
 		claimTx: r.Replace(`WITH lock AS (
-	SELECT pg_try_advisory_xact_lock(id) AS locked, id, pg_backend_pid() AS pid, ` + serverStarted + ` AS started, ` + txBegan + ` AS began
-	FROM (SELECT $6 # '{table}'::regclass::oid::int8) AS k (id)
+	SELECT pg_try_advisory_xact_lock(id) AS locked, pg_try_advisory_xact_lock(token_id) AS token_locked, token_id
+	FROM (SELECT $6 # '{table}'::regclass::oid::int8, $8 # '{table}'::regclass::oid::int8) AS k (id, token_id)
 ), ins AS (
 	INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
 	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second', now() + $7::float8 * interval '1 second'
-	FROM lock WHERE locked
+	FROM lock WHERE locked AND token_locked
 	ON CONFLICT (scope, key) DO NOTHING
 	RETURNING true AS claimed
 )
-SELECT lock.locked, EXISTS (SELECT FROM ins), lock.pid, lock.started, lock.began, lock.id, CASE WHEN lock.locked THEN txid_current() END, ` + rowColumns + `
+SELECT lock.locked, lock.token_locked, EXISTS (SELECT FROM ins), lock.token_id, ` + rowColumns + `
 FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
-		// held reports whether a claim of transactional mode still
-		// holds its key's lock: whether the process $1 of the server
-		// started at $4 (see serverStarted), in a session that began no
-		// later than the claim's transaction at $5, holds the advisory
-		// lock $2 in the transaction $3, which it does until the
-		// transaction ends. The pid alone does not name the claim's
-		// session: once that ended, a new one may get its pid (a restarted
-		// server's processes get the same pids again, and a busy machine's
-		// wrap around) and the duplicate's transaction there holds the
-		// same lock. Nor does the transaction's id with it: a server whose
-		// process crashed, whether the server restarted or only recovered,
-		// gives again the ids of the transactions whose WAL it had not
-		// written, as an open claim's may well be. The server's start
-		// tells a restarted server, and the session's start a recovered
-		// one's new session, which began after the claim's ended; a
-		// session whose start this connection may not see (its role lacks
-		// pg_read_all_stats and is not the session's) is taken to be the
-		// claim's. (A session that began just before the claim's
-		// transaction, by a clock set back in between, seems to have
-		// begun after it: its claim is then reported lost, a loud
-		// mistake where the opposite one would be silent.) A transaction
-		// holds the lock of its own id, which shows in pg_locks as its
-		// low 32 bits; an advisory lock on a bigint
-		// shows as its high and low 32 bits, with objsubid 1. Whether the
-		// claim's row was committed instead is the next statement's
-		// question (see extendTx), not this one's.
-		held: `WITH l AS MATERIALIZED (
-	SELECT locktype, database, classid, objid, objsubid, transactionid FROM pg_locks WHERE pid = $1 AND granted
-)
-SELECT ` + serverStarted + ` = $4
-AND NOT EXISTS (SELECT FROM pg_stat_get_activity($1) WHERE (extract(epoch FROM backend_start) * 1000000)::int8 > $5)
-AND EXISTS (SELECT FROM l WHERE locktype = 'advisory' AND objsubid = 1
-	AND classid = (($2::int8 >> 32) & 4294967295)::oid AND objid = ($2::int8 & 4294967295)::oid
-	AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
-AND EXISTS (SELECT FROM l WHERE locktype = 'transactionid' AND transactionid = ($3::int8 & 4294967295)::text::xid)`,
+		// held reports whether a claim of transactional mode is still
+		// open: whether any session holds the advisory lock $1 of its
+		// token in this database, which only the claim's transaction
+		// takes. An advisory lock on a bigint shows in pg_locks as its
+		// high and low 32 bits, with objsubid 1. Whether the claim's row
+		// was committed instead is the next statement's question (see
+		// extendTx), not this one's.
+		held: `SELECT EXISTS (SELECT FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+	AND classid = (($1::int8 >> 32) & 4294967295)::oid AND objid = ($1::int8 & 4294967295)::oid
+	AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))`,
 		// sweep deletes a batch of expired rows. SKIP LOCKED lets several
 		// instances sweep at once without waiting on each other's rows
 		// (or on a row a claim is replacing), and the outer test of

@@ -113,6 +113,16 @@ func backendPid(t *testing.T, ctx context.Context) int {
 	return pid
 }
 
+// txid returns the id of the transaction of the claimed request whose
+// context is ctx, counting the times the server's 32-bit ids wrapped
+// around.
+func txid(t *testing.T, ctx context.Context) int64 {
+	t.Helper()
+	var xid int64
+	require.NoError(t, Tx(ctx).QueryRowContext(ctx, "SELECT txid_current()").Scan(&xid))
+	return xid
+}
+
 // extendsSeen is a Store that sends the error of each Extend to extends.
 type extendsSeen struct {
 	*Store
@@ -299,9 +309,17 @@ func TestTransactionalExtendPastTwoToTheThirtyTwoTransactions(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, s.Migrate(t.Context()))
 	c, ctx := openClaim(t, s, "k")
-	require.Equal(t, int64(1)<<32+1<<31+1<<20+1, ctx.Value(txKey{}).(*txState).xid,
+	require.Equal(t, int64(1)<<32+1<<31+1<<20+1, txid(t, ctx),
 		"the claim's transaction is the second since the reset, Migrate's the first")
 
+	requireHeldUntilSessionEnds(t, db, s, c, ctx)
+}
+
+// requireHeldUntilSessionEnds checks that the open claim c, whose request's
+// context is ctx, holds at each of three extensions, and is lost once db
+// ended its session.
+func requireHeldUntilSessionEnds(t *testing.T, db *sql.DB, s *Store, c idemserver.Claim, ctx context.Context) {
+	t.Helper()
 	for range 3 {
 		require.NoError(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)))
 	}
@@ -336,12 +354,11 @@ func TestTransactionalExtendDoesNotTakeASessionOfACrashedServerForTheClaims(t *t
 			require.NoError(t, err)
 			require.NoError(t, s.Migrate(t.Context()))
 			c, ctx := openClaim(t, s, "k")
-			pid := backendPid(t, ctx)
+			pid, xid := backendPid(t, ctx), txid(t, ctx)
 
 			tt.crash(srv)
 			dup, d, dctx := claimWithPid(t, func() *sql.DB { return srv.open(t, 1) }, pid)
-			require.Equal(t, ctx.Value(txKey{}).(*txState).xid, dctx.Value(txKey{}).(*txState).xid,
-				"the server gave the duplicate's transaction the claim's id")
+			require.Equal(t, xid, txid(t, dctx), "the server gave the duplicate's transaction the claim's id")
 
 			// The first check may meet a connection the crash broke, and
 			// report nothing.
@@ -354,10 +371,9 @@ func TestTransactionalExtendDoesNotTakeASessionOfACrashedServerForTheClaims(t *t
 }
 
 func TestTransactionalExtendUnderARoleThatCannotSeeTheSession(t *testing.T) {
-	// The check asks when the claim's session began; a connection whose
-	// role may not see that (a handler left a SET ROLE on it, against
-	// the package's advice) does not see it, and must take the session
-	// for the claim's rather than report a live claim lost.
+	// A connection whose role may not see other sessions' activity (a
+	// handler left a SET ROLE on it, against the package's advice) must
+	// still find a live claim held, and one whose session ended lost.
 	db := newTestDB(t, 2)
 	s := db.newStore(t, WithTransactional())
 	role := "idemtest_role_" + db.schema
@@ -389,4 +405,66 @@ func TestTransactionalExtendUnderARoleThatCannotSeeTheSession(t *testing.T) {
 	require.ErrorIs(t, s.Extend(ctx, c.Key, c.Token, time.Now().Add(time.Minute)), idemserver.ErrLeaseLost)
 	_, err = db.ExecContext(t.Context(), "RESET ROLE")
 	require.NoError(t, err)
+}
+
+func TestTransactionalExtendHoldsWhenTheClockSeemsSteppedBack(t *testing.T) {
+	// The database server's clock is stepped back between the start of a
+	// claim's session and the start of its transaction: by that clock, the
+	// session began after the transaction. The real clock cannot be
+	// stepped here, so the check's connection is shown that reckoning
+	// instead: a pg_stat_get_activity of the test's schema, found before
+	// pg_catalog's, reports every session as begun an hour from now. A
+	// live claim must hold whatever the clock says.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	_, err := db.ExecContext(t.Context(), `CREATE FUNCTION pg_stat_get_activity(pid int, OUT backend_start timestamptz)
+	RETURNS SETOF timestamptz LANGUAGE sql AS $$ SELECT now() + interval '1 hour' $$`)
+	require.NoError(t, err)
+	c, ctx := openClaim(t, s, "k")
+
+	// The pool's other connection, the check's, searches the test's
+	// schema first.
+	_, err = db.ExecContext(t.Context(), "SET search_path = "+db.schema+", pg_catalog")
+	require.NoError(t, err)
+	var start time.Time
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT backend_start FROM pg_stat_get_activity($1)", backendPid(t, ctx)).Scan(&start))
+	require.True(t, start.After(time.Now()), "the check's connection sees the claim's session begin after its transaction")
+	requireHeldUntilSessionEnds(t, db.DB, s, c, ctx)
+}
+
+func TestTransactionalClaimFailsWhenItsTokensLockIsHeld(t *testing.T) {
+	// Only a claim's own transaction takes its token's lock, which is
+	// what tells its check the transaction is open. A claim that finds
+	// the lock held elsewhere (a token reused, or a collision of two
+	// 64-bit hashes) could be taken for alive after its transaction
+	// ended: it must fail, writing nothing and holding nothing.
+	db := newTestDB(t, 2)
+	s := db.newStore(t, WithTransactional())
+	c := testClaim("k", time.Minute)
+	conn, err := db.Conn(t.Context())
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = conn.ExecContext(t.Context(), "SELECT pg_advisory_lock($1 # $2::regclass::oid::int8)", s.tokenLockID(c.Token), s.table.quoted())
+	require.NoError(t, err)
+
+	res, err := s.Claim(t.Context(), c)
+	if err == nil && res.Claimed {
+		t.Cleanup(func() { _ = s.Release(context.WithoutCancel(res.Context), c.Key, c.Token) })
+	}
+	require.ErrorContains(t, err, "another session holds the advisory lock of the claim's token")
+	require.NotErrorIs(t, err, idemserver.ErrLeaseLost)
+	var n int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM "+s.table.quoted()).Scan(&n))
+	assert.Zero(t, n, "the failed claim wrote nothing")
+
+	// It holds neither the key nor a connection: a claim with a new
+	// token gets the key.
+	_, err = conn.ExecContext(t.Context(), "SELECT pg_advisory_unlock_all()")
+	require.NoError(t, err)
+	require.NoError(t, conn.Close())
+	c.Token = "token-new"
+	res, err = s.Claim(t.Context(), c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	require.NoError(t, s.Release(res.Context, c.Key, c.Token))
 }

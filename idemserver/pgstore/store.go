@@ -57,14 +57,15 @@
 //     [idemserver.WithWaitInFlight], polls. It never waits on the first
 //     claim's row, and holds no connection between polls; its wait for a
 //     free pool connection is bounded, as every claim's is.
-//   - A claim holds while its transaction is open, however long. Extend
-//     asks, on another pool connection, whether the transaction's server
-//     process still holds the key's advisory lock in that transaction,
-//     named by its id, its server's start and its session's start
-//     rather than by the pid alone, which a later session may get, or by
-//     the id alone, which a server recovered from a crash may give again
-//     (or, asked after that, whether the claim's row was committed, by a
-//     handler that committed Tx itself): once the server ended the
+//   - A claim holds while its transaction is open, however long. The
+//     claim's statement also takes, without waiting, an advisory lock on
+//     the claim's token, which no other transaction ever takes (tokens
+//     are random and new to each claim), and the claim fails if it does
+//     not get it. Extend asks, on another pool connection, whether any
+//     session holds that lock: which names no pid, transaction id or
+//     time, all of which a server gives again or steps after a crash or
+//     a restart (or, asked after that, whether the claim's row was
+//     committed, by a handler that committed Tx itself): once the server ended the
 //     session (idle_in_transaction_session_timeout,
 //     pg_terminate_backend, a restart), the claim is gone and a duplicate
 //     may run, so Extend reports the claim lost and the middleware ends
@@ -108,8 +109,9 @@
 // driver's hook for a connection returned to the pool (pgx's
 // stdlib.OptionResetSession). The transaction has the database's
 // default isolation level. The advisory locks are 64-bit hashes of the
-// table (its oid, whatever schema it is found in), scope and key, in the
-// database's one advisory lock space. A table
+// table (its oid, whatever schema it is found in) and the scope and key,
+// or the token, in the database's one advisory lock space, where a
+// collision, at odds of 2^-64 a pair, is accepted. A table
 // serves one mode: lease-mode and transactional stores must not share it.
 //
 // # The clock

@@ -72,11 +72,7 @@ type txState struct {
 	tx    *sql.Tx
 	key   idemserver.Key
 	token string
-	pid   int64       // the server process of the transaction
-	start int64       // when the server started (see serverStarted)
-	began int64       // when the transaction began (see txBegan)
-	xid   int64       // the transaction's id (txid_current)
-	lock  int64       // the key's advisory lock, which the transaction holds
+	held  int64       // the token's advisory lock, which only the transaction holds (see tokenLockID)
 	rerun atomic.Bool // the handler asked for a rerun
 	ended atomic.Bool // committed or rolled back
 }
@@ -140,8 +136,9 @@ func stateOf(ctx context.Context, key idemserver.Key, token string) *txState {
 //
 // It first reads the key's row outside any transaction: a completed record
 // is replayed in that one round trip. Otherwise it begins a transaction and
-// runs one statement that takes a transaction-scoped advisory lock on the
-// key without waiting (pg_try_advisory_xact_lock) and, with the lock,
+// runs one statement that takes, without waiting
+// (pg_try_advisory_xact_lock), a transaction-scoped advisory lock on the
+// key and another on the claim's token (see tokenLockID) and, with both,
 // inserts the claim. A claimant that does not get the lock knows another
 // holds an uncommitted claim of the key and reports it in progress at once:
 // it neither waits on the other's row nor holds a connection afterwards.
@@ -174,14 +171,19 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: begin: %w", err)
 		}
 		var (
-			locked, won bool
-			xid         sql.NullInt64
-			r           row
+			locked, tokenLocked, won bool
+			r                        row
 		)
-		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease)).
-			Scan(append([]any{&locked, &won, &st.pid, &st.start, &st.began, &st.lock, &xid}, r.dest()...)...)
-		st.xid = xid.Int64
+		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease), s.tokenLockID(c.Token)).
+			Scan(append([]any{&locked, &tokenLocked, &won, &st.held}, r.dest()...)...)
 		switch {
+		case err == nil && locked && !tokenLocked:
+			// Another session holds the token's lock: a token reused, or
+			// a collision of two 64-bit hashes. The check of this claim
+			// could not tell its transaction from the other's, so the
+			// claim fails closed.
+			_ = st.rollback()
+			return idemserver.ClaimResult{}, sql.NullString{}, errors.New("pgstore: claim: another session holds the advisory lock of the claim's token; each claim needs a new token")
 		case err == nil && won:
 			return claimed(st)
 		case err == nil && locked && r.token.Valid && r.expired():
@@ -259,9 +261,29 @@ func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimR
 // with another's. The claim mixes the table's oid into it, since the
 // table's name may lack a schema.
 func (s *Store) lockID(k idemserver.Key) int64 {
+	return lockHash(s.table.quoted(), k.Scope, k.Key)
+}
+
+// tokenLockID returns the advisory lock of a claim's token in
+// transactional mode: 64 bits of a SHA-256 of a prefix of its own, the
+// table and the token, which the claim mixes with the table's oid as it
+// does the key's. The claim's transaction takes it, and nothing else
+// does: tokens are random and new to each claim, so that some session
+// holds the lock exactly while the claim's transaction is open (see
+// extendTx). Its first part, unlike a key lock's, is no quoted name, so
+// the two never hash the same input; they share the database's one lock
+// space, where a collision of two 64-bit hashes, at odds of 2^-64 a pair,
+// is accepted.
+func (s *Store) tokenLockID(token string) int64 {
+	return lockHash("pgstore token", s.table.quoted(), token)
+}
+
+// lockHash returns 64 bits of a SHA-256 of parts, each prefixed with its
+// length, so that no two lists of parts hash the same input.
+func lockHash(parts ...string) int64 {
 	h := sha256.New()
 	var n [binary.MaxVarintLen64]byte
-	for _, part := range []string{s.table.quoted(), k.Scope, k.Key} {
+	for _, part := range parts {
 		h.Write(n[:binary.PutUvarint(n[:], uint64(len(part)))])
 		h.Write([]byte(part))
 	}
@@ -276,12 +298,11 @@ func (s *Store) lockID(k idemserver.Key) int64 {
 // duplicate may run at once. The claim's own connection is not asked: the
 // handler may be using it, and a statement there would count as activity
 // against idle_in_transaction_session_timeout. Another connection asks
-// whether the claim's server process still holds the key's advisory lock
-// in the claim's transaction (by its id, its server's start and its
-// session's start: a new session may have the ended one's pid, and a
-// duplicate's transaction there the same lock, and on a server recovered
-// from a crash the same id too; see the statement held), and only
-// if it does not, whether the claim's row was committed, by a handler that
+// whether any session holds the advisory lock of the claim's token (see
+// tokenLockID), which only the claim's transaction ever takes and which it
+// holds until it ends; whatever pids, transaction ids or clocks do after a
+// crash or a restart, no other session holds that lock. Only if none does,
+// it asks whether the claim's row was committed, by a handler that
 // committed the transaction itself (against Tx's contract; its claim still
 // holds the key). The row is read by a statement of its own, whose
 // snapshot is taken after the lock was seen gone: a transaction releases
@@ -295,7 +316,7 @@ func (s *Store) extendTx(ctx context.Context, st *txState) error {
 	var held bool
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
 		defer conn.Close()
-		if err := conn.QueryRowContext(ctx, s.q.held, st.pid, st.lock, st.xid, st.start, st.began).Scan(&held); err != nil || held {
+		if err := conn.QueryRowContext(ctx, s.q.held, st.held).Scan(&held); err != nil || held {
 			return err
 		}
 		var r row
