@@ -232,20 +232,12 @@ func TestRetryRequestReportsTheEvictionsOfEveryClaim(t *testing.T) {
 				}
 				return store.MemoryStore.Claim(ctx, c)
 			}
-			discarded := false
-			store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
-				if k.Key == "b" && !discarded {
-					discarded = true
-					_ = store.MemoryStore.Release(ctx, k, token)
-					return fmt.Errorf("%w: %w", ErrRolledBack, ErrRetryRequest)
-				}
-				return store.MemoryStore.Complete(ctx, k, token, resp, exp)
-			}
+			discarded := discardFirstCompletion(store, "b")
 			var events []Event
 			mw := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(&countingHandler{})
 			serve(mw, newRequest(http.MethodPost, "/x", "a", "b"))
 			serve(mw, newRequest(http.MethodPost, "/x", "b", "b"))
-			require.True(t, discarded, "the first attempt of b was discarded")
+			require.True(t, *discarded, "the first attempt of b was discarded")
 			require.Len(t, events, 2)
 			assert.Equal(t, tt.outcome, events[1].Outcome)
 			require.Len(t, events[1].Evictions, 1, "the record dropped for the discarded attempt is reported")
@@ -271,20 +263,29 @@ func TestRetryRequestLeavesTheStoresEvictionsAlone(t *testing.T) {
 		}
 		return res, err
 	}
-	discarded := false
+	discarded := discardFirstCompletion(store, "k")
+	var events []Event
+	mw := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(&countingHandler{})
+	serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+	require.True(t, *discarded)
+	require.Len(t, events, 1)
+	assert.Equal(t, []Eviction{{Key: Key{Key: "first"}}, {Key: Key{Key: "second"}}}, events[0].Evictions)
+	assert.Equal(t, Key{Key: "the store's own"}, kept[1].Key, "the store's array was written to")
+}
+
+// discardFirstCompletion makes store discard the first completion of key,
+// as a transactional store does after a serialization failure: it rolls
+// the claim back and asks for a rerun. The flag it returns tells whether
+// that happened.
+func discardFirstCompletion(store holdingStore, key string) *bool {
+	discarded := new(bool)
 	store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
-		if !discarded {
-			discarded = true
+		if k.Key == key && !*discarded {
+			*discarded = true
 			_ = store.MemoryStore.Release(ctx, k, token)
 			return fmt.Errorf("%w: %w", ErrRolledBack, ErrRetryRequest)
 		}
 		return store.MemoryStore.Complete(ctx, k, token, resp, exp)
 	}
-	var events []Event
-	mw := Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(&countingHandler{})
-	serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
-	require.True(t, discarded)
-	require.Len(t, events, 1)
-	assert.Equal(t, []Eviction{{Key: Key{Key: "first"}}, {Key: Key{Key: "second"}}}, events[0].Evictions)
-	assert.Equal(t, Key{Key: "the store's own"}, kept[1].Key, "the store's array was written to")
+	return discarded
 }
