@@ -99,7 +99,10 @@ import (
 // client at once, as under net/http, except over such a store, which drops
 // it: it is a hint, and a replay never carries one either.
 // Hijacking the connection of a keyed request is refused with an error
-// wrapping [http.ErrNotSupported].
+// wrapping [http.ErrNotSupported]. The handler's ResponseWriter cannot be
+// unwrapped to reach the client's, which would let bytes past the record;
+// the deadlines and full duplex of [http.ResponseController] still reach
+// the client's connection.
 //
 // A Complete or Release that fails with a transient error (any but
 // [ErrLeaseLost], [ErrRolledBack], [ErrOutcomeUnknown], [ErrRetryRequest]

@@ -10,6 +10,7 @@ import (
 	"net/textproto"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // ReplayedHeader is the header field, set to "true", that marks a replayed
@@ -238,17 +239,37 @@ func (c *recorder) FlushError() error {
 func (c *recorder) Flush() { _ = c.FlushError() }
 
 // Hijack refuses: the outcome of a hijacked connection cannot be recorded or
-// replayed. Without this method, [http.ResponseController] would reach the
-// client's connection through Unwrap.
+// replayed.
 func (c *recorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	return nil, nil, fmt.Errorf("idemserver: a keyed request cannot hijack its connection: %w", http.ErrNotSupported)
 }
 
-// Unwrap returns the client's ResponseWriter, so that
-// [http.ResponseController] can set deadlines and enable full duplex.
-func (c *recorder) Unwrap() http.ResponseWriter {
-	c.begin()
-	return c.w
+// The recorder has no Unwrap method: a handler, or a library it calls, that
+// unwrapped it would reach the client's ResponseWriter, and what it wrote
+// there, or a connection it hijacked there, would reach the client and not
+// the store, or reach it before a transactional store's commit. So the
+// controls of [http.ResponseController] that do not write are its own,
+// and pass through to the client's writer.
+
+// SetReadDeadline sets the deadline for reading the client's connection;
+// see [http.ResponseController.SetReadDeadline].
+func (c *recorder) SetReadDeadline(deadline time.Time) error {
+	return http.NewResponseController(c.w).SetReadDeadline(deadline)
+}
+
+// SetWriteDeadline sets the deadline for writing to the client's
+// connection; see [http.ResponseController.SetWriteDeadline]. The recorder
+// writes a response held back after the handler returns, under the same
+// deadline.
+func (c *recorder) SetWriteDeadline(deadline time.Time) error {
+	return http.NewResponseController(c.w).SetWriteDeadline(deadline)
+}
+
+// EnableFullDuplex lets the handler read the request body while it writes
+// the response; see [http.ResponseController.EnableFullDuplex]. The
+// middleware has read the body already.
+func (c *recorder) EnableFullDuplex() error {
+	return http.NewResponseController(c.w).EnableFullDuplex()
 }
 
 // startStreaming sends the status, the headers and the recorded body.
