@@ -57,9 +57,10 @@ import (
 // missing from the first response only. Hop-by-hop fields are never stored,
 // nor Set-Cookie unless [WithReplayedHeaders] allows it. As under net/http,
 // the client gets the fields as they were at WriteHeader (changes to the
-// map after it reach the client only as trailers), and Write fails with [http.ErrBodyNotAllowed]
-// on a status that allows no body; so the first response and its replays
-// agree.
+// map after it reach the client only as trailers), and Write fails with
+// [http.ErrBodyNotAllowed] on a status that allows no body, and with
+// [http.ErrContentLength] past the Content-Length the handler declared; so
+// the first response and its replays agree.
 //
 // A request whose method is not keyed goes straight to the handler, and so
 // does one without a key unless [RequireKey] is set. A malformed key is

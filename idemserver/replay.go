@@ -61,8 +61,11 @@ type recorder struct {
 	outerEnd int
 	sentEnd  int
 	length   [1]string // the body's length, once finished, as a field value
-	body     []byte
-	err      error
+	// unwritten is how many more bytes the body may have by the
+	// Content-Length the handler declared, or -1 if it declared none.
+	unwritten int64
+	body      []byte
+	err       error
 	// The flags are together, so that the run's allocation of the
 	// recorder with the body reader stays in a smaller size class.
 	begun       bool // the outer fields are recorded
@@ -134,6 +137,7 @@ func (c *recorder) WriteHeader(code int) {
 	c.wroteHeader = true
 	c.status = code
 	c.releases = ReleasesResponse(code, h)
+	c.unwritten = declaredLength(h)
 	c.fields = appendFields(c.fields[:c.outerEnd], h)
 	c.sentEnd = len(c.fields)
 	if !c.releases {
@@ -142,6 +146,17 @@ func (c *recorder) WriteHeader(code int) {
 			c.fields = appendHeaderField(c.fields, "Content-Type")
 		}
 	}
+}
+
+// declaredLength returns the Content-Length declared in h, as net/http
+// reads it at WriteHeader, or -1 if there is none it takes as one.
+func declaredLength(h http.Header) int64 {
+	if cl := h.Get("Content-Length"); cl != "" {
+		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n >= 0 {
+			return n
+		}
+	}
+	return -1
 }
 
 // unsniffed reports whether net/http sends the response whose fields are h
@@ -164,7 +179,9 @@ func (c *recorder) unsniffed(h http.Header) bool {
 
 // Write records p, or passes it through once the response is streaming.
 // As under net/http, it fails with [http.ErrBodyNotAllowed] when the status
-// allows no body (204, 304), and records nothing.
+// allows no body (204, 304), and with [http.ErrContentLength] when p would
+// take the body past the Content-Length the handler declared (and so does
+// every later Write), and records nothing.
 func (c *recorder) Write(p []byte) (int, error) { return write(c, p) }
 
 // WriteString is Write for a string. With it, a handler that writes a
@@ -182,6 +199,15 @@ func write[T []byte | string](c *recorder, p T) (int, error) {
 	}
 	if !bodyAllowed(c.status) {
 		return 0, http.ErrBodyNotAllowed
+	}
+	if c.unwritten >= 0 {
+		// net/http would refuse p, and so send a body that a replay of
+		// one recorded with p would not match.
+		if int64(len(p)) > c.unwritten {
+			c.unwritten = 0
+			return 0, http.ErrContentLength
+		}
+		c.unwritten -= int64(len(p))
 	}
 	if !c.tooLarge && int64(len(c.body))+int64(len(p)) > c.limit {
 		c.tooLarge = true

@@ -920,6 +920,62 @@ func TestWriteWhereBodyNotAllowed(t *testing.T) {
 	}
 }
 
+// As under net/http, a Write that would take the body past the
+// Content-Length the handler declared fails with http.ErrContentLength, and
+// so does every later one: the client gets the body up to it, and so do the
+// replays. Recorded, the refused bytes turned the stored response into one
+// that no client could read (net/http refuses to send them), the first
+// client's too unless it was streamed.
+func TestWritePastDeclaredContentLength(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		flush bool
+		hold  bool
+		limit int64
+	}{
+		{"held back", false, false, 0},
+		{"streamed", true, false, 0},
+		{"too large to store", false, false, 3},
+		{"held by the store", true, true, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var errs []error
+			h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				errs = errs[:0]
+				w.Header().Set("Content-Length", "5")
+				w.WriteHeader(http.StatusCreated)
+				if tt.flush {
+					w.(http.Flusher).Flush()
+				}
+				for _, s := range []string{"hel", "lo", " world", "!"} {
+					_, err := io.WriteString(w, s)
+					errs = append(errs, err)
+				}
+			})
+			var store Store = NewMemoryStore()
+			if tt.hold {
+				store = holdingStore{newStubStore()}
+			}
+			opts := []Option{}
+			if tt.limit > 0 {
+				opts = append(opts, WithMaxResponseBytes(tt.limit))
+			}
+			srv := httptest.NewServer(Middleware(store, opts...)(h))
+			defer srv.Close()
+			first, body := postKeyed(t, srv.Client(), srv.URL, "k")
+			assert.Equal(t, http.StatusCreated, first.StatusCode)
+			assert.Equal(t, "hello", body)
+			assert.Equal(t, []error{nil, nil, http.ErrContentLength, http.ErrContentLength}, errs)
+			replay, replayBody := postKeyed(t, srv.Client(), srv.URL, "k")
+			require.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, http.StatusCreated, replay.StatusCode)
+			if tt.limit == 0 {
+				assert.Equal(t, "hello", replayBody)
+			}
+		})
+	}
+}
+
 // Write and WriteString record and pass through the same bytes, whether the
 // response is held back, streamed after a flush, or larger than the limit
 // (10 bytes here), and return the same counts.
