@@ -93,7 +93,12 @@ import (
 // the handler returns, but the client may see it before that. Once its
 // status has been flushed it is the outcome: a streaming handler that then
 // gives up (its context ended) without acting has its status stored and
-// replayed all the same, so a handler must flush only what it has done. A
+// replayed all the same, so a handler must flush only what it has done.
+// When a write or flush to the client fails while the response streams
+// (the client went away), the handler learns it and may stop short of the
+// end of its body, so the response is stored without its body, as one
+// larger than [WithMaxResponseBytes] is: a replay carries its status and
+// header fields and a problem of type [ProblemResponseNotStored]. A
 // store that implements [ResponseHolder] turns streaming off: then nothing
 // reaches the client before Complete returns, however large the response.
 // An informational (1xx) response, such as 103 Early Hints, goes to the

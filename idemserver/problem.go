@@ -51,8 +51,9 @@ const (
 	// stored and the claim was released. Retry the same request.
 	ProblemRequestCanceled = problemBase + "ProblemRequestCanceled"
 	// ProblemResponseNotStored (replayed with the original status): the
-	// request with this key was processed, but its response was too large
-	// to keep (see [WithMaxResponseBytes]).
+	// request with this key was processed, but its response body was not
+	// kept: it was too large (see [WithMaxResponseBytes]), or it was
+	// streamed and its first client went away before it had all of it.
 	ProblemResponseNotStored = problemBase + "ProblemResponseNotStored"
 )
 

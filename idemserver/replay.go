@@ -3,6 +3,7 @@ package idemserver
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -73,7 +74,7 @@ type recorder struct {
 	wroteHeader bool
 	releases    bool // the response ends the claim by releasing it; see ReleasesResponse
 	streaming   bool // status and headers have gone to the client
-	tooLarge    bool // the body passed the limit and is not stored
+	tooLarge    bool // the body is not stored: it passed the limit, or a write to the client failed; see finish
 	hold        bool // never let the response through early; see ResponseHolder
 	http1       bool // the client speaks HTTP/1; see unsniffed
 }
@@ -258,7 +259,11 @@ func (c *recorder) FlushError() error {
 	if c.err != nil {
 		return c.err
 	}
-	return http.NewResponseController(c.w).Flush()
+	err := http.NewResponseController(c.w).Flush()
+	if err != nil && !errors.Is(err, http.ErrNotSupported) {
+		c.err = err
+	}
+	return err
 }
 
 // Flush implements [http.Flusher]; see FlushError.
@@ -311,9 +316,17 @@ func (c *recorder) startStreaming() {
 
 // finish completes a response the handler left without a status, and
 // adds Content-Length to the recorded fields of a response to be stored.
+//
+// A streamed response whose write to the client failed (the client went
+// away) is stored without its body, as one too large to store is: the
+// handler was told, and may have stopped short of the body's end, so a
+// replay of what it wrote could pass a cut body off as whole.
 func (c *recorder) finish() {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
+	}
+	if c.err != nil {
+		c.tooLarge = true
 	}
 	c.length[0] = strconv.Itoa(len(c.body))
 	if !c.tooLarge && !c.releases && bodyAllowed(c.status) && !c.hasLength {
