@@ -60,7 +60,9 @@ import (
 // map after it reach the client only as trailers), and Write fails with
 // [http.ErrBodyNotAllowed] on a status that allows no body, and with
 // [http.ErrContentLength] past the Content-Length the handler declared; so
-// the first response and its replays agree.
+// the first response and its replays agree. A body shorter than that
+// Content-Length, which net/http cuts the connection after, is not stored,
+// as one larger than [WithMaxResponseBytes] is not.
 //
 // A request whose method is not keyed goes straight to the handler, and so
 // does one without a key unless [RequireKey] is set. A malformed key is

@@ -976,6 +976,50 @@ func TestWritePastDeclaredContentLength(t *testing.T) {
 	}
 }
 
+// A body shorter than the Content-Length the handler declared reaches the
+// first client cut (net/http closes the connection after it). Stored, it
+// made every replay cut too, so that no retry could learn the outcome; it
+// is stored without its body, and a replay carries the status with a
+// problem in its place.
+func TestWriteShortOfDeclaredContentLength(t *testing.T) {
+	for _, flush := range []bool{false, true} {
+		t.Run("flush "+strconv.FormatBool(flush), func(t *testing.T) {
+			srv := httptest.NewServer(Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Location", "/orders/1")
+				w.Header().Set("Content-Length", "10")
+				w.WriteHeader(http.StatusCreated)
+				if flush {
+					w.(http.Flusher).Flush()
+				}
+				_, _ = io.WriteString(w, "hello")
+			})))
+			defer srv.Close()
+			send := func() (*http.Response, string, error) {
+				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
+				require.NoError(t, err)
+				req.Header.Set(DefaultKeyHeader, "k")
+				resp, err := srv.Client().Do(req)
+				require.NoError(t, err)
+				defer resp.Body.Close()
+				body, err := io.ReadAll(resp.Body)
+				return resp, string(body), err
+			}
+			first, body, err := send()
+			assert.ErrorIs(t, err, io.ErrUnexpectedEOF, "net/http cuts the first response")
+			assert.Equal(t, http.StatusCreated, first.StatusCode)
+			assert.Equal(t, "hello", body)
+
+			replay, body, err := send()
+			require.NoError(t, err, "the replay is whole")
+			assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, http.StatusCreated, replay.StatusCode)
+			assert.Equal(t, "/orders/1", replay.Header.Get("Location"))
+			assert.Equal(t, "application/problem+json", replay.Header.Get("Content-Type"))
+			assert.Contains(t, body, ProblemResponseNotStored)
+		})
+	}
+}
+
 // Write and WriteString record and pass through the same bytes, whether the
 // response is held back, streamed after a flush, or larger than the limit
 // (10 bytes here), and return the same counts.

@@ -207,8 +207,8 @@ type Response struct {
 	// Body is the response body.
 	Body []byte
 	// BodyOmitted reports that the body was not stored: it was larger
-	// than the middleware's response limit, or its stream to the first
-	// client broke. A replay then carries Status and a problem document of
+	// than the middleware's response limit, its stream to the first
+	// client broke, or it was shorter than its Content-Length. A replay then carries Status and a problem document of
 	// type [ProblemResponseNotStored] instead.
 	BodyOmitted bool
 }
