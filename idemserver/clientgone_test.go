@@ -5,6 +5,8 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/http/httptest"
+	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -124,4 +126,124 @@ func TestClientGoneStoreContext(t *testing.T) {
 	assert.Zero(t, store.Len(), "claim released")
 	serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
 	assert.Equal(t, 2, calls)
+}
+
+// brokenWriter is a client's ResponseWriter whose connection breaks after
+// the first write, or at the first flush.
+type brokenWriter struct {
+	*httptest.ResponseRecorder
+	writes     int
+	flushBreak bool
+}
+
+var errBrokenPipe = errors.New("write: broken pipe")
+
+func (b *brokenWriter) Write(p []byte) (int, error) {
+	if b.writes++; b.writes > 1 {
+		return 0, errBrokenPipe
+	}
+	return b.ResponseRecorder.Write(p)
+}
+
+func (b *brokenWriter) WriteString(s string) (int, error) { return b.Write([]byte(s)) }
+
+func (b *brokenWriter) FlushError() error {
+	if b.flushBreak {
+		return errBrokenPipe
+	}
+	b.ResponseRecorder.Flush()
+	return nil
+}
+
+// A streaming handler whose client went away mid-stream is told by a
+// failed write or flush, and stops, as handlers do: what it wrote is not
+// its whole body. Stored, it was replayed as a complete response (with a
+// Content-Length to match), a cut body passed off as whole; only its
+// status and header fields are kept, as for a body too large to store.
+func TestStreamCutByClientKeepsNoBody(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		client func() http.ResponseWriter
+	}{
+		{"write fails", func() http.ResponseWriter { return &brokenWriter{ResponseRecorder: httptest.NewRecorder()} }},
+		{"flush fails", func() http.ResponseWriter {
+			return &brokenWriter{ResponseRecorder: httptest.NewRecorder(), flushBreak: true}
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var events []Event
+			var errs []error
+			mw := Middleware(nil, WithObserver(func(e Event) { events = append(events, e) }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					w.Header().Set("Location", "/exports/1")
+					w.Header().Set("Content-Type", "text/csv")
+					w.WriteHeader(http.StatusCreated)
+					for _, row := range []string{"a,1\n", "b,2\n", "c,3\n"} {
+						_, err := io.WriteString(w, row)
+						if err == nil {
+							err = http.NewResponseController(w).Flush()
+						}
+						if err != nil {
+							errs = append(errs, err)
+							return
+						}
+					}
+				}))
+			mw.ServeHTTP(tt.client(), newRequest(http.MethodPost, "/exports", "k", "b"))
+			require.Len(t, events, 1)
+			assert.Equal(t, OutcomeExecuted, events[0].Outcome, "the status reached the client: it is the outcome")
+			assert.Equal(t, []error{errBrokenPipe}, errs, "the handler was told")
+
+			replay := serve(mw, newRequest(http.MethodPost, "/exports", "k", "b"))
+			assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+			decodeProblem(t, replay, ProblemResponseNotStored, http.StatusCreated)
+			assert.Equal(t, "/exports/1", replay.Header().Get("Location"))
+		})
+	}
+}
+
+// The same over a connection the client closes mid-stream.
+func TestStreamCutByClientOverConnection(t *testing.T) {
+	gone := make(chan struct{})
+	var writeErr error
+	events := make(chan Event, 2)
+	observe := WithObserver(func(e Event) { events <- e })
+	srv := httptest.NewServer(Middleware(nil, WithMaxResponseBytes(64<<20), observe)(
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			rc := http.NewResponseController(w)
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "row 0\n")
+			_ = rc.Flush()
+			<-gone
+			row := strings.Repeat("x", 4<<10) + "\n"
+			for range 1 << 12 { // 16 MiB at most; the broken connection fails long before
+				if _, writeErr = io.WriteString(w, row); writeErr == nil {
+					writeErr = rc.Flush()
+				}
+				if writeErr != nil {
+					return
+				}
+			}
+		})))
+	defer srv.Close()
+
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
+	require.NoError(t, err)
+	req.Header.Set(DefaultKeyHeader, "k")
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	resp, err := tr.RoundTrip(req)
+	require.NoError(t, err)
+	line := make([]byte, len("row 0\n"))
+	_, err = io.ReadFull(resp.Body, line)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close()) // closes the connection, the body being unread
+	close(gone)
+	assert.Equal(t, OutcomeExecuted, (<-events).Outcome)
+	require.Error(t, writeErr, "the handler saw the client go")
+
+	replay, body := postKeyed(t, srv.Client(), srv.URL, "k")
+	assert.Equal(t, http.StatusCreated, replay.StatusCode)
+	assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+	assert.True(t, strings.Contains(body, ProblemResponseNotStored), "a cut body is replayed as whole: %d bytes: %.300q", len(body), body)
 }

@@ -57,9 +57,12 @@ import (
 // missing from the first response only. Hop-by-hop fields are never stored,
 // nor Set-Cookie unless [WithReplayedHeaders] allows it. As under net/http,
 // the client gets the fields as they were at WriteHeader (changes to the
-// map after it reach the client only as trailers), and Write fails with [http.ErrBodyNotAllowed]
-// on a status that allows no body; so the first response and its replays
-// agree.
+// map after it reach the client only as trailers), and Write fails with
+// [http.ErrBodyNotAllowed] on a status that allows no body, and with
+// [http.ErrContentLength] past the Content-Length the handler declared; so
+// the first response and its replays agree. A body shorter than that
+// Content-Length, which net/http cuts the connection after, is not stored,
+// as one larger than [WithMaxResponseBytes] is not.
 //
 // A request whose method is not keyed goes straight to the handler, and so
 // does one without a key unless [RequireKey] is set. A malformed key is
@@ -92,14 +95,22 @@ import (
 // the handler returns, but the client may see it before that. Once its
 // status has been flushed it is the outcome: a streaming handler that then
 // gives up (its context ended) without acting has its status stored and
-// replayed all the same, so a handler must flush only what it has done. A
+// replayed all the same, so a handler must flush only what it has done.
+// When a write or flush to the client fails while the response streams
+// (the client went away), the handler learns it and may stop short of the
+// end of its body, so the response is stored without its body, as one
+// larger than [WithMaxResponseBytes] is: a replay carries its status and
+// header fields and a problem of type [ProblemResponseNotStored]. A
 // store that implements [ResponseHolder] turns streaming off: then nothing
 // reaches the client before Complete returns, however large the response.
 // An informational (1xx) response, such as 103 Early Hints, goes to the
 // client at once, as under net/http, except over such a store, which drops
 // it: it is a hint, and a replay never carries one either.
 // Hijacking the connection of a keyed request is refused with an error
-// wrapping [http.ErrNotSupported].
+// wrapping [http.ErrNotSupported]. The handler's ResponseWriter cannot be
+// unwrapped to reach the client's, which would let bytes past the record;
+// the deadlines and full duplex of [http.ResponseController] still reach
+// the client's connection.
 //
 // A Complete or Release that fails with a transient error (any but
 // [ErrLeaseLost], [ErrRolledBack], [ErrOutcomeUnknown], [ErrRetryRequest]

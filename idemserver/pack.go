@@ -427,7 +427,7 @@ func (p packed) replay(w http.ResponseWriter) {
 		}
 		writeProblem(w, ProblemResponseNotStored, p.status,
 			"the request was processed with status "+strconv.Itoa(p.status)+
-				", but its response was too large to keep for replay", "")
+				", but its response was not kept for replay: it was too large, or cut short", "")
 		return
 	}
 	fieldsInto(h, p.fields, ReplayedHeader, "true")

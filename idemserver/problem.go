@@ -51,8 +51,10 @@ const (
 	// stored and the claim was released. Retry the same request.
 	ProblemRequestCanceled = problemBase + "ProblemRequestCanceled"
 	// ProblemResponseNotStored (replayed with the original status): the
-	// request with this key was processed, but its response was too large
-	// to keep (see [WithMaxResponseBytes]).
+	// request with this key was processed, but its response body was not
+	// kept: it was too large (see [WithMaxResponseBytes]), it was
+	// streamed and its first client went away before it had all of it, or
+	// it was shorter than the Content-Length the handler declared.
 	ProblemResponseNotStored = problemBase + "ProblemResponseNotStored"
 )
 

@@ -3,6 +3,7 @@ package idemserver
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -10,6 +11,7 @@ import (
 	"net/textproto"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // ReplayedHeader is the header field, set to "true", that marks a replayed
@@ -60,8 +62,11 @@ type recorder struct {
 	outerEnd int
 	sentEnd  int
 	length   [1]string // the body's length, once finished, as a field value
-	body     []byte
-	err      error
+	// unwritten is how many more bytes the body may have by the
+	// Content-Length the handler declared, or -1 if it declared none.
+	unwritten int64
+	body      []byte
+	err       error
 	// The flags are together, so that the run's allocation of the
 	// recorder with the body reader stays in a smaller size class.
 	begun       bool // the outer fields are recorded
@@ -69,7 +74,7 @@ type recorder struct {
 	wroteHeader bool
 	releases    bool // the response ends the claim by releasing it; see ReleasesResponse
 	streaming   bool // status and headers have gone to the client
-	tooLarge    bool // the body passed the limit and is not stored
+	tooLarge    bool // the body is not stored: it passed the limit, or a write to the client failed; see finish
 	hold        bool // never let the response through early; see ResponseHolder
 	http1       bool // the client speaks HTTP/1; see unsniffed
 }
@@ -133,6 +138,7 @@ func (c *recorder) WriteHeader(code int) {
 	c.wroteHeader = true
 	c.status = code
 	c.releases = ReleasesResponse(code, h)
+	c.unwritten = declaredLength(h)
 	c.fields = appendFields(c.fields[:c.outerEnd], h)
 	c.sentEnd = len(c.fields)
 	if !c.releases {
@@ -141,6 +147,17 @@ func (c *recorder) WriteHeader(code int) {
 			c.fields = appendHeaderField(c.fields, "Content-Type")
 		}
 	}
+}
+
+// declaredLength returns the Content-Length declared in h, as net/http
+// reads it at WriteHeader, or -1 if there is none it takes as one.
+func declaredLength(h http.Header) int64 {
+	if cl := h.Get("Content-Length"); cl != "" {
+		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n >= 0 {
+			return n
+		}
+	}
+	return -1
 }
 
 // unsniffed reports whether net/http sends the response whose fields are h
@@ -163,7 +180,9 @@ func (c *recorder) unsniffed(h http.Header) bool {
 
 // Write records p, or passes it through once the response is streaming.
 // As under net/http, it fails with [http.ErrBodyNotAllowed] when the status
-// allows no body (204, 304), and records nothing.
+// allows no body (204, 304), and with [http.ErrContentLength] when p would
+// take the body past the Content-Length the handler declared (and so does
+// every later Write), and records nothing.
 func (c *recorder) Write(p []byte) (int, error) { return write(c, p) }
 
 // WriteString is Write for a string. With it, a handler that writes a
@@ -181,6 +200,15 @@ func write[T []byte | string](c *recorder, p T) (int, error) {
 	}
 	if !bodyAllowed(c.status) {
 		return 0, http.ErrBodyNotAllowed
+	}
+	if c.unwritten >= 0 {
+		// net/http would refuse p, and so send a body that a replay of
+		// one recorded with p would not match.
+		if int64(len(p)) > c.unwritten {
+			c.unwritten = 0
+			return 0, http.ErrContentLength
+		}
+		c.unwritten -= int64(len(p))
 	}
 	if !c.tooLarge && int64(len(c.body))+int64(len(p)) > c.limit {
 		c.tooLarge = true
@@ -231,24 +259,48 @@ func (c *recorder) FlushError() error {
 	if c.err != nil {
 		return c.err
 	}
-	return http.NewResponseController(c.w).Flush()
+	err := http.NewResponseController(c.w).Flush()
+	if err != nil && !errors.Is(err, http.ErrNotSupported) {
+		c.err = err
+	}
+	return err
 }
 
 // Flush implements [http.Flusher]; see FlushError.
 func (c *recorder) Flush() { _ = c.FlushError() }
 
 // Hijack refuses: the outcome of a hijacked connection cannot be recorded or
-// replayed. Without this method, [http.ResponseController] would reach the
-// client's connection through Unwrap.
+// replayed.
 func (c *recorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	return nil, nil, fmt.Errorf("idemserver: a keyed request cannot hijack its connection: %w", http.ErrNotSupported)
 }
 
-// Unwrap returns the client's ResponseWriter, so that
-// [http.ResponseController] can set deadlines and enable full duplex.
-func (c *recorder) Unwrap() http.ResponseWriter {
-	c.begin()
-	return c.w
+// The recorder has no Unwrap method: a handler, or a library it calls, that
+// unwrapped it would reach the client's ResponseWriter, and what it wrote
+// there, or a connection it hijacked there, would reach the client and not
+// the store, or reach it before a transactional store's commit. So the
+// controls of [http.ResponseController] that do not write are its own,
+// and pass through to the client's writer.
+
+// SetReadDeadline sets the deadline for reading the client's connection;
+// see [http.ResponseController.SetReadDeadline].
+func (c *recorder) SetReadDeadline(deadline time.Time) error {
+	return http.NewResponseController(c.w).SetReadDeadline(deadline)
+}
+
+// SetWriteDeadline sets the deadline for writing to the client's
+// connection; see [http.ResponseController.SetWriteDeadline]. The recorder
+// writes a response held back after the handler returns, under the same
+// deadline.
+func (c *recorder) SetWriteDeadline(deadline time.Time) error {
+	return http.NewResponseController(c.w).SetWriteDeadline(deadline)
+}
+
+// EnableFullDuplex lets the handler read the request body while it writes
+// the response; see [http.ResponseController.EnableFullDuplex]. The
+// middleware has read the body already.
+func (c *recorder) EnableFullDuplex() error {
+	return http.NewResponseController(c.w).EnableFullDuplex()
 }
 
 // startStreaming sends the status, the headers and the recorded body.
@@ -264,9 +316,20 @@ func (c *recorder) startStreaming() {
 
 // finish completes a response the handler left without a status, and
 // adds Content-Length to the recorded fields of a response to be stored.
+//
+// A response known to be cut is stored without its body, as one too large
+// to store is: a streamed one whose write to the client failed (the client
+// went away; the handler was told, and may have stopped short of the
+// body's end, so a replay of what it wrote could pass a cut body off as
+// whole), and one shorter than the Content-Length the handler declared
+// (net/http cuts the connection after it, and every replay would be cut
+// too).
 func (c *recorder) finish() {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
+	}
+	if c.err != nil || c.unwritten > 0 && bodyAllowed(c.status) {
+		c.tooLarge = true
 	}
 	c.length[0] = strconv.Itoa(len(c.body))
 	if !c.tooLarge && !c.releases && bodyAllowed(c.status) && !c.hasLength {

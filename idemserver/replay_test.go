@@ -374,7 +374,105 @@ func TestResponseControllerReachesClientWriter(t *testing.T) {
 	w := &duplexRecorder{ResponseRecorder: httptest.NewRecorder()}
 	mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
 	assert.NoError(t, err)
-	assert.True(t, w.duplex, "Unwrap leads to the client's writer")
+	assert.True(t, w.duplex, "full duplex reaches the client's writer")
+}
+
+// The deadlines of http.ResponseController reach the client's connection.
+func TestResponseControllerSetsDeadlines(t *testing.T) {
+	var errs []error
+	srv := httptest.NewServer(Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		deadline := time.Now().Add(time.Minute)
+		errs = append(errs, rc.SetReadDeadline(deadline), rc.SetWriteDeadline(deadline))
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srv.Close()
+	resp, _ := postKeyed(t, srv.Client(), srv.URL, "k")
+	assert.Equal(t, http.StatusCreated, resp.StatusCode)
+	assert.Equal(t, []error{nil, nil}, errs)
+}
+
+// innermost unwraps w as far as it goes, as libraries that look for the
+// server's own ResponseWriter do.
+func innermost(w http.ResponseWriter) http.ResponseWriter {
+	for {
+		u, ok := w.(interface{ Unwrap() http.ResponseWriter })
+		if !ok {
+			return w
+		}
+		w = u.Unwrap()
+	}
+}
+
+// A handler that unwraps its ResponseWriter cannot get past the recorder:
+// what it writes, flushes or hijacks there would reach the client and not
+// the store (a first response the replays differ from, a hijacked
+// connection stored as an empty 200), or reach it before a transactional
+// store's commit.
+func TestUnwrappedWriterIsRecorded(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		handler func(t *testing.T, w http.ResponseWriter)
+	}{
+		{"write", func(t *testing.T, w http.ResponseWriter) {
+			w = innermost(w)
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "made")
+		}},
+		{"flush", func(t *testing.T, w http.ResponseWriter) {
+			w = innermost(w)
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "ma")
+			w.(http.Flusher).Flush()
+			_, _ = io.WriteString(w, "de")
+		}},
+		{"hijack", func(t *testing.T, w http.ResponseWriter) {
+			conn, bw, err := http.NewResponseController(innermost(w)).Hijack()
+			if !assert.ErrorIs(t, err, http.ErrNotSupported) {
+				defer conn.Close()
+				_, _ = bw.WriteString("HTTP/1.1 201 Created\r\nContent-Length: 4\r\nConnection: close\r\n\r\nmade")
+				_ = bw.Flush()
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "made")
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			for _, hold := range []bool{false, true} {
+				stub := newStubStore()
+				var store Store = stub
+				if hold {
+					store = holdingStore{stub}
+				}
+				early := false
+				var client *watchedRecorder
+				stub.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+					early = client != nil && client.wroteHeader.Load()
+					return stub.MemoryStore.Complete(ctx, k, token, resp, exp)
+				}
+				mw := Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { tt.handler(t, w) }))
+
+				// Over a connection, so that a hijack could succeed.
+				srv := httptest.NewServer(mw)
+				first, body := postKeyed(t, srv.Client(), srv.URL, "k")
+				replay, replayBody := postKeyed(t, srv.Client(), srv.URL, "k")
+				srv.Close()
+				require.Equal(t, "true", replay.Header.Get(ReplayedHeader), "hold %v", hold)
+				assert.Equal(t, http.StatusCreated, first.StatusCode, "hold %v", hold)
+				assert.Equal(t, "made", body, "hold %v", hold)
+				assert.Equal(t, first.StatusCode, replay.StatusCode, "hold %v", hold)
+				assert.Equal(t, body, replayBody, "hold %v", hold)
+
+				if hold {
+					client = httptestRecorder()
+					mw.ServeHTTP(client, newRequest(http.MethodPost, "/x", "other", "b"))
+					assert.False(t, early, "the client got the response before Complete")
+					assert.Equal(t, http.StatusCreated, client.Code)
+				}
+			}
+		})
+	}
 }
 
 type duplexRecorder struct {
@@ -819,6 +917,106 @@ func TestWriteWhereBodyNotAllowed(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// As under net/http, a Write that would take the body past the
+// Content-Length the handler declared fails with http.ErrContentLength, and
+// so does every later one: the client gets the body up to it, and so do the
+// replays. Recorded, the refused bytes turned the stored response into one
+// that no client could read (net/http refuses to send them), the first
+// client's too unless it was streamed.
+func TestWritePastDeclaredContentLength(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		flush bool
+		hold  bool
+		limit int64
+	}{
+		{"held back", false, false, 0},
+		{"streamed", true, false, 0},
+		{"too large to store", false, false, 3},
+		{"held by the store", true, true, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var errs []error
+			h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				errs = errs[:0]
+				w.Header().Set("Content-Length", "5")
+				w.WriteHeader(http.StatusCreated)
+				if tt.flush {
+					w.(http.Flusher).Flush()
+				}
+				for _, s := range []string{"hel", "lo", " world", "!"} {
+					_, err := io.WriteString(w, s)
+					errs = append(errs, err)
+				}
+			})
+			var store Store = NewMemoryStore()
+			if tt.hold {
+				store = holdingStore{newStubStore()}
+			}
+			opts := []Option{}
+			if tt.limit > 0 {
+				opts = append(opts, WithMaxResponseBytes(tt.limit))
+			}
+			srv := httptest.NewServer(Middleware(store, opts...)(h))
+			defer srv.Close()
+			first, body := postKeyed(t, srv.Client(), srv.URL, "k")
+			assert.Equal(t, http.StatusCreated, first.StatusCode)
+			assert.Equal(t, "hello", body)
+			assert.Equal(t, []error{nil, nil, http.ErrContentLength, http.ErrContentLength}, errs)
+			replay, replayBody := postKeyed(t, srv.Client(), srv.URL, "k")
+			require.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, http.StatusCreated, replay.StatusCode)
+			if tt.limit == 0 {
+				assert.Equal(t, "hello", replayBody)
+			}
+		})
+	}
+}
+
+// A body shorter than the Content-Length the handler declared reaches the
+// first client cut (net/http closes the connection after it). Stored, it
+// made every replay cut too, so that no retry could learn the outcome; it
+// is stored without its body, and a replay carries the status with a
+// problem in its place.
+func TestWriteShortOfDeclaredContentLength(t *testing.T) {
+	for _, flush := range []bool{false, true} {
+		t.Run("flush "+strconv.FormatBool(flush), func(t *testing.T) {
+			srv := httptest.NewServer(Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Location", "/orders/1")
+				w.Header().Set("Content-Length", "10")
+				w.WriteHeader(http.StatusCreated)
+				if flush {
+					w.(http.Flusher).Flush()
+				}
+				_, _ = io.WriteString(w, "hello")
+			})))
+			defer srv.Close()
+			send := func() (*http.Response, string, error) {
+				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
+				require.NoError(t, err)
+				req.Header.Set(DefaultKeyHeader, "k")
+				resp, err := srv.Client().Do(req)
+				require.NoError(t, err)
+				defer resp.Body.Close()
+				body, err := io.ReadAll(resp.Body)
+				return resp, string(body), err
+			}
+			first, body, err := send()
+			assert.ErrorIs(t, err, io.ErrUnexpectedEOF, "net/http cuts the first response")
+			assert.Equal(t, http.StatusCreated, first.StatusCode)
+			assert.Equal(t, "hello", body)
+
+			replay, body, err := send()
+			require.NoError(t, err, "the replay is whole")
+			assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, http.StatusCreated, replay.StatusCode)
+			assert.Equal(t, "/orders/1", replay.Header.Get("Location"))
+			assert.Equal(t, "application/problem+json", replay.Header.Get("Content-Type"))
+			assert.Contains(t, body, ProblemResponseNotStored)
+		})
 	}
 }
 

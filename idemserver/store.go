@@ -206,9 +206,10 @@ type Response struct {
 	Header http.Header
 	// Body is the response body.
 	Body []byte
-	// BodyOmitted reports that the body was larger than the middleware's
-	// response limit and was not stored. A replay then carries Status and
-	// a problem document of type [ProblemResponseNotStored] instead.
+	// BodyOmitted reports that the body was not stored: it was larger
+	// than the middleware's response limit, its stream to the first
+	// client broke, or it was shorter than its Content-Length. A replay then carries Status and a problem document of
+	// type [ProblemResponseNotStored] instead.
 	BodyOmitted bool
 }
 

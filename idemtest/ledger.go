@@ -169,7 +169,8 @@ func (l *ledger) uncount(note *requestRuns) {
 // it must be an answer the handler gave for that key, and kept. A key the
 // handler never ran for here (its record was made by another server
 // sharing the store) cannot be checked. A replay of a response whose body
-// was too large to keep carries the status and a problem document of type
+// was not kept (too large, or its stream to the first client broke)
+// carries the status and a problem document of type
 // idemserver.ProblemResponseNotStored.
 func (l *ledger) checkReplay(key string, status int, header http.Header, body []byte) {
 	got := answer{status: status, size: len(body), sum: sha256.Sum256(body)}
