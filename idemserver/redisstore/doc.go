@@ -99,8 +99,9 @@
 // the Redis host's clock forward deletes records early: a step past an
 // in-progress record's margin ([LeaseMargin] after its lease) lets a
 // retry run while the handler still runs, and one across a completed
-// record's end lets a retry run again. Keep that host's clock
-// synchronized and slewed, not stepped, as well.
+// record's end lets a retry run again; a step back keeps records longer,
+// and refuses takeovers with [ErrClocksDisagree] for as long. Keep that
+// host's clock synchronized and slewed, not stepped, as well.
 //
 // go-redis sends a command again when a connection fails before its reply
 // arrives. A claim or takeover that Redis ran, sent again, finds its own
