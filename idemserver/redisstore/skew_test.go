@@ -111,3 +111,28 @@ func TestInstanceAheadKeepsCompletedRecord(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, res.Record.Completed(), "the record is kept")
 }
+
+func TestHolderClockSteppedBackKeepsItsLease(t *testing.T) {
+	// The holder's clock steps back an hour mid-lease, and its next
+	// extension writes a lease end an hour before the other instances'
+	// time. Their takeover finds the clocks disagree: Redis counts down
+	// the minute the extension asked for.
+	var holderClock skewedClock
+	f := newFixture(t, redisstore.WithClock(holderClock.now))
+	ctx := t.Context()
+	c := claim("k", "holder", time.Minute)
+	mustClaim(t, f.store, c)
+	holderClock.set(-time.Hour)
+	require.NoError(t, f.store.Extend(ctx, c.Key, c.Token, holderClock.now().Add(time.Minute)))
+
+	other := redisstore.New(f.client, redisstore.WithPrefix(f.prefix))
+	taker := claim("k", "taker", time.Minute)
+	res, err := other.Claim(ctx, taker)
+	require.NoError(t, err)
+	require.False(t, res.Claimed)
+	require.False(t, taker.Now.Before(res.Record.LeaseExpires), "the lease seems ended to the other instance")
+	_, err = other.TakeOver(ctx, taker, c.Token)
+	require.ErrorIs(t, err, redisstore.ErrClocksDisagree)
+	require.NoError(t, f.store.Complete(ctx, c.Key, c.Token, &idemserver.Response{Status: http.StatusCreated}, holderClock.now().Add(time.Hour)),
+		"the holder keeps its claim")
+}
