@@ -1,6 +1,7 @@
 package redisstore_test
 
 import (
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"sync"
@@ -63,9 +64,10 @@ func TestInstanceAheadTakesNoLiveLease(t *testing.T) {
 			})
 			clocks := []*skewedClock{{}, {off: tt.before}}
 			servers := make([]*httptest.Server, 2)
+			var seen events
 			for i, clock := range clocks {
 				store := redisstore.New(clientOf(t, redisAddr(t)), redisstore.WithPrefix(prefix), redisstore.WithClock(clock.now))
-				servers[i] = httptest.NewServer(idemserver.Middleware(store, idemserver.WithClock(clock.now))(handler))
+				servers[i] = httptest.NewServer(idemserver.Middleware(store, idemserver.WithClock(clock.now), idemserver.WithObserver(seen.add))(handler))
 				defer servers[i].Close()
 			}
 
@@ -86,6 +88,13 @@ func TestInstanceAheadTakesNoLiveLease(t *testing.T) {
 			assert.EqualValues(t, 1, runs.Load(), "handler runs")
 			assert.Equal(t, http.StatusCreated, first.status)
 			assert.Equal(t, http.StatusServiceUnavailable, dup.status, "the duplicate: %s", dup.body)
+			var disagree int
+			for _, ev := range seen.of("k") {
+				if errors.Is(ev.Err, redisstore.ErrClocksDisagree) {
+					disagree++
+				}
+			}
+			assert.Equal(t, 1, disagree, "the observer is told the clocks disagree")
 		})
 	}
 }
