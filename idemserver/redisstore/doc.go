@@ -42,7 +42,8 @@
 // take a second round trip. A claim that finds a
 // completed record expired by the middleware's clock but still in Redis
 // (where the clocks of two instances differ) replaces it with the takeover
-// script, as the Store contract treats an expired record as absent. And a
+// script, as the Store contract treats an expired record as absent, unless
+// Redis says it has much longer to run (see "One clock" below). And a
 // Redis that refuses write commands while it still answers reads refuses
 // SET even when NX would write nothing, for SET is a write command: full
 // under maxmemory-policy noeviction (OOM), short of the replicas that
