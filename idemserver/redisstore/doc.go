@@ -65,15 +65,15 @@
 // with the takeover's Now, sent along. SET NX GET cannot read the Redis
 // server's clock, and the scripts read no instant of it.
 //
-// Redis's native expiry is garbage collection, given as a duration
-// reckoned on the store's clock ([WithClock], which must be the
-// middleware's; a claim stamped more than [MaxClockSkew] from it is
-// refused with [ErrClockSkew]), and set later than the middleware's clock
-// will judge the record ended: an in-progress record expires in Redis [LeaseMargin] after
-// its lease ends (until then it shows the ended lease, which the middleware
-// takes over, and which its holder may still extend or complete if no one
-// took it over), and a completed one when its TTL ends. Nothing needs
-// sweeping.
+// Redis's native expiry collects records (and, below, keeps a claim from
+// replacing one early). It is given as a duration reckoned on the store's
+// clock ([WithClock], which must be the middleware's; a claim stamped
+// more than [MaxClockSkew] from it is refused with [ErrClockSkew]), and
+// set later than the middleware's clock will judge the record ended: an
+// in-progress record expires in Redis [LeaseMargin] after its lease ends
+// (until then it shows the ended lease, which the middleware takes over,
+// and which its holder may still extend or complete if no one took it
+// over), and a completed one when its TTL ends. Nothing needs sweeping.
 //
 // Several instances share the records, and so compare their own clocks
 // with instants another instance wrote. Keep their clocks synchronized
@@ -90,7 +90,7 @@
 // takes over a lease, or forgets a record, at most 2×MaxClockSkew early,
 // whatever d is, or however its clock was stepped; since the middleware
 // renews a lease a third of a lease after each renewal, a live handler
-// is safe with a lease longer than three times that (see
+// is safe with a lease longer than 3×MaxClockSkew, 15 s (see
 // [idemserver.WithLease]; the default is a minute). An instance whose
 // clock is behind by d waits d longer to take over a crashed handler's
 // key (within the margin, then Redis drops the record), and replays
