@@ -42,7 +42,8 @@
 // take a second round trip. A claim that finds a
 // completed record expired by the middleware's clock but still in Redis
 // (where the clocks of two instances differ) replaces it with the takeover
-// script, as the Store contract treats an expired record as absent. And a
+// script, as the Store contract treats an expired record as absent, unless
+// Redis says it has much longer to run (see "One clock" below). And a
 // Redis that refuses write commands while it still answers reads refuses
 // SET even when NX would write nothing, for SET is a write command: full
 // under maxmemory-policy noeviction (OOM), short of the replicas that
@@ -56,41 +57,52 @@
 //
 // # One clock: the middleware's
 //
-// Leases and expiry are judged by the middleware's clock, and by no other.
-// A record holds the end of its lease, or its expiry, as an instant of
-// that clock (the claim's LeaseExpires, the expiry given to Complete, the
-// lease end given to Extend). A claim reports those instants, and the
-// middleware compares them with the claim's Now; TakeOver's script
-// compares the lease's end with the takeover's Now, sent along. SET NX GET
-// cannot read the Redis server's clock, and the scripts do not.
+// Leases and expiry are judged by the middleware's clock. A record holds
+// the end of its lease, or its expiry, as an instant of that clock (the
+// claim's LeaseExpires, the expiry given to Complete, the lease end given
+// to Extend). A claim reports those instants, and the middleware compares
+// them with the claim's Now; TakeOver's script compares the lease's end
+// with the takeover's Now, sent along. SET NX GET cannot read the Redis
+// server's clock, and the scripts read no instant of it.
 //
-// Redis's native expiry is garbage collection, given as a duration
-// reckoned on the store's clock ([WithClock], which must be the
-// middleware's; a claim stamped more than [MaxClockSkew] from it is
-// refused with [ErrClockSkew]), and set later than the middleware's clock
-// will judge the record ended: an in-progress record expires in Redis [LeaseMargin] after
-// its lease ends (until then it shows the ended lease, which the middleware
-// takes over, and which its holder may still extend or complete if no one
-// took it over), and a completed one when its TTL ends. Nothing needs
-// sweeping.
+// Redis's native expiry collects records (and, below, keeps a claim from
+// replacing one early). It is given as a duration reckoned on the store's
+// clock ([WithClock], which must be the middleware's; a claim stamped
+// more than [MaxClockSkew] from it is refused with [ErrClockSkew]), and
+// set later than the middleware's clock will judge the record ended: an
+// in-progress record expires in Redis [LeaseMargin] after its lease ends
+// (until then it shows the ended lease, which the middleware takes over,
+// and which its holder may still extend or complete if no one took it
+// over), and a completed one when its TTL ends. Nothing needs sweeping.
 //
 // Several instances share the records, and so compare their own clocks
 // with instants another instance wrote. Keep their clocks synchronized
-// (NTP): an instance whose clock is ahead by d sees every lease end d
-// early, and the middleware renews a lease a third of a lease after each
-// renewal, so d must stay well below two thirds of the lease (see
-// [idemserver.WithLease]) or a live handler may be taken over and run
-// twice; it also sees completed records expire d early, and runs a retry
-// that comes within d of a record's end again. An instance whose clock is
-// behind by d waits d longer to take over a crashed handler's key, and
-// replays completed records until Redis lets them expire, on time.
+// (NTP). An instance whose clock is ahead by d sees every lease end d
+// early, and completed records expire d early; taking such a lease over
+// would run a live handler twice, and replacing such a record would run a
+// retry again. So the two rare claims that replace a record (a takeover,
+// and a claim of a completed record expired by its clock) ask Redis too:
+// the record's native expiry is a duration its writer set, which Redis
+// counts down whatever the instances' clocks say. When Redis says the
+// lease or the record has more than 2×[MaxClockSkew] still to run, the
+// claim fails with [ErrClocksDisagree] (the middleware answers 503, and
+// reports it), and the record stays. An instance ahead by d therefore
+// takes over a lease, or forgets a record, at most 2×MaxClockSkew early,
+// whatever d is, or however its clock was stepped; since the middleware
+// renews a lease a third of a lease after each renewal, a live handler
+// is safe with a lease longer than 3×MaxClockSkew, 15 s (see
+// [idemserver.WithLease]; the default is a minute). An instance whose
+// clock is behind by d waits d longer to take over a crashed handler's
+// key (within the margin, then Redis drops the record), and replays
+// completed records until Redis lets them expire, on time.
 //
 // Redis keeps a native expiry as an instant of its own clock, so a step of
 // the Redis host's clock forward deletes records early: a step past an
 // in-progress record's margin ([LeaseMargin] after its lease) lets a
 // retry run while the handler still runs, and one across a completed
-// record's end lets a retry run again. Keep that host's clock
-// synchronized and slewed, not stepped, as well.
+// record's end lets a retry run again; a step back keeps records longer,
+// and refuses takeovers with [ErrClocksDisagree] for as long. Keep that
+// host's clock synchronized and slewed, not stepped, as well.
 //
 // go-redis sends a command again when a connection fails before its reply
 // arrives. A claim or takeover that Redis ran, sent again, finds its own

@@ -7,13 +7,16 @@ package redisstore
 // string.sub and change it only while it holds the caller's lease token, or
 // for a takeover, while the lease it names has ended.
 //
-// Clocks: the scripts read no clock. The times in a record, and the "now"
-// a takeover compares them with, are the middleware's (see the package
-// documentation); the native expiry (PEXPIRE, SET PX) is a duration the
-// store computes, and serves only to collect records no one needs any
-// more: an in-progress record lives its lease plus LeaseMargin, so that an
-// ended lease stays visible, to be taken over, or extended or completed by
-// its holder if no one took it over; a completed one lives its TTL.
+// Clocks: the scripts read no instant of Redis's clock. The times in a
+// record, and the "now" a takeover compares them with, are the
+// middleware's (see the package documentation); the native expiry
+// (PEXPIRE, SET PX) is a duration the store computes, which collects
+// records no one needs any more: an in-progress record lives its lease
+// plus LeaseMargin, so that an ended lease stays visible, to be taken
+// over, or extended or completed by its holder if no one took it over; a
+// completed one lives its TTL. The takeover script also reads what is left
+// of it (PTTL), so that an instance whose clock is ahead of the record's
+// writer's replaces nothing that Redis says has long to run.
 //
 // A Redis at its maxmemory under the noeviction policy refuses a script's
 // first write if that write may use more memory (SET, SETRANGE, APPEND),
@@ -59,8 +62,18 @@ end
 // Claim that found a completed record expired (ARGV[4] is then empty, and
 // no in-progress record is taken).
 //
+// The record's time was written by the clock of another instance, which
+// may be behind the caller's. Its native expiry is a duration that writer
+// set, which Redis counts down: an in-progress record's lease ends ARGV[6]
+// ms (LeaseMargin) before it, a completed record's expiry at it. When
+// that says the record has more than ARGV[7] ms still to run, the clocks
+// disagree, and the record stays: taking over a lease whose handler may
+// still run, or forgetting a record before its time, runs the handler
+// twice.
+//
 // Reply: 1 when the record is the caller's; otherwise the record that
-// stays, or -1 for one it cannot read.
+// stays, -1 for one it cannot read, or {-2, ms} when the clocks disagree,
+// with how long Redis says the lease or record still has.
 //
 // A record in progress under ARGV[5] answers 1: the takeover was sent
 // again (go-redis resends a command whose reply was lost) after it had
@@ -68,12 +81,15 @@ end
 const takeOverScript = scriptPrelude + `
 if v then
   if not readable() then return -1 end
+  local left = redis.call('PTTL', KEYS[1])
   if state == 'p' then
     if tok == ARGV[5] then return 1 end
     if tok ~= ARGV[4] or ARGV[4] == '' or at() > tonumber(ARGV[3]) then return v end
+    left = left - tonumber(ARGV[6])
   elseif at() > tonumber(ARGV[3]) then
     return v
   end
+  if left > tonumber(ARGV[7]) then return {-2, left} end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1

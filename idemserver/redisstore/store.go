@@ -36,6 +36,16 @@ const MaxClockSkew = 5 * time.Second
 // records and leases for the wrong time.
 var ErrClockSkew = errors.New("redisstore: the middleware's clock is not the store's; see redisstore.WithClock")
 
+// ErrClocksDisagree is returned, wrapped, by Claim and TakeOver when the
+// claim's clock says a record has ended (the lease of one in progress, or
+// a completed one's expiry) while Redis, which counts down the durations
+// its writer set, says it still has more than [MaxClockSkew] to run: the
+// clock of the instance that claims is ahead of the one that wrote the
+// record, or one of them was stepped. The store neither takes over the
+// lease, whose handler may still be running, nor forgets the record; the
+// middleware answers 503. Keep the clocks of the instances synchronized.
+var ErrClocksDisagree = errors.New("redisstore: the instances' clocks disagree")
+
 // Errors of the store. Use errors.Is to test for them.
 var (
 	// ErrUnexpectedReply means Redis answered with something the store did
@@ -74,7 +84,10 @@ func WithPrefix(p string) Option {
 // WithClock sets the clock the store reads to turn the times that
 // Complete and Extend are given into Redis's native expiry (a duration):
 // it must be the middleware's (see [idemserver.WithClock]). Nil means
-// time.Now, the middleware's default.
+// time.Now, the middleware's default. A clock that runs ahead of the real
+// one (a test's, advanced past a lease) cannot take over a lease, or
+// replace a completed record, that Redis keeps more than 2×MaxClockSkew
+// longer: the claim fails with [ErrClocksDisagree].
 func WithClock(now func() time.Time) Option {
 	return func(s *Store) {
 		if now == nil {
@@ -256,11 +269,21 @@ func (a *claimValue) MarshalBinary() ([]byte, error) { return a.value, nil }
 
 // replace runs the takeover script: see takeOverScript.
 func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64, now time.Time, token, expiredToken string) (bool, record, error) {
-	reply, err := s.takeOver.Run(ctx, s.client, []string{key}, value, ttl, micros(now), expiredToken, token).Result()
+	reply, err := s.takeOver.Run(ctx, s.client, []string{key}, value, ttl, micros(now), expiredToken, token,
+		LeaseMargin.Milliseconds(), clocksDisagree.Milliseconds()).Result()
 	if err != nil {
 		return false, record{}, claimError(err)
 	}
 	switch r := reply.(type) {
+	case []any:
+		if left, ok := disagreement(r); ok {
+			what := "expires"
+			if expiredToken != "" {
+				what = "lease ends"
+			}
+			return false, record{}, fmt.Errorf("%w: the record's time says it has ended at the claim's time, %v, but Redis says its %s in %v",
+				ErrClocksDisagree, now, what, left)
+		}
 	case int64:
 		if r == 1 {
 			return true, record{}, nil
@@ -276,6 +299,29 @@ func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64
 		return false, rec, nil
 	}
 	return false, record{}, fmt.Errorf("%w to a takeover: %v", ErrUnexpectedReply, reply)
+}
+
+// clocksDisagree is how much longer than the claim's clock Redis may say
+// an ended lease or record has to run before the store takes the clocks
+// to disagree: twice MaxClockSkew, since the native expiry set by Extend,
+// or by Complete without the middleware's time, is reckoned on the store's
+// clock, which may be MaxClockSkew from the middleware's that wrote the
+// record's time, and a command that reached Redis late has its native
+// expiry counted from then.
+const clocksDisagree = 2 * MaxClockSkew
+
+// disagreement reads the takeover script's {-2, ms} reply: how long Redis
+// says the record has left.
+func disagreement(r []any) (time.Duration, bool) {
+	if len(r) != 2 {
+		return 0, false
+	}
+	code, ok1 := r[0].(int64)
+	ms, ok2 := r[1].(int64)
+	if !ok1 || !ok2 || code != -2 {
+		return 0, false
+	}
+	return time.Duration(ms) * time.Millisecond, true
 }
 
 // refusedWrite reports whether err is Redis refusing a write command in a

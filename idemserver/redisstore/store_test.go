@@ -357,10 +357,10 @@ func TestEmptyToken(t *testing.T) {
 
 func TestJudgedByTheClaimsClock(t *testing.T) {
 	// Leases and expiry are judged by the middleware's clock, the Now of
-	// each claim, and not by Redis's: a takeover at a Now before the
-	// lease's end takes nothing, one at a Now after it takes the key, an
-	// hour before Redis would let the record expire. The store is given
-	// the middleware's clock, as it must be.
+	// each claim: a takeover at a Now before the lease's end takes
+	// nothing, one at a Now after it takes the key, unless Redis says the
+	// lease has much longer to run. The store is given the middleware's
+	// clock, as it must be.
 	var clock time.Time
 	f := newFixture(t, redisstore.WithClock(func() time.Time { return clock }))
 	ctx := t.Context()
@@ -377,8 +377,24 @@ func TestJudgedByTheClaimsClock(t *testing.T) {
 	assert.Equal(t, holder.Token, res.Record.Token)
 	assert.WithinDuration(t, holder.LeaseExpires, res.Record.LeaseExpires, time.Microsecond)
 
+	// A takeover at a Now after the lease's end, an hour before Redis
+	// would let the record expire, finds the clocks disagree: the claim's
+	// is ahead of the holder's, whose handler may still run.
 	late := claim("k", "late", time.Minute)
 	late.Now = holder.LeaseExpires
+	late.LeaseExpires = late.Now.Add(time.Minute)
+	clock = late.Now
+	_, err = f.store.TakeOver(ctx, late, holder.Token)
+	require.ErrorIs(t, err, redisstore.ErrClocksDisagree)
+
+	// Once Redis agrees that the lease has ended, within the allowance
+	// for clocks, the takeover's Now decides: here, after the holder
+	// extended its lease to end a second from now, one at a Now a second
+	// later takes the key, as Redis still keeps the record LeaseMargin.
+	clock = time.Now()
+	require.NoError(t, f.store.Extend(ctx, holder.Key, holder.Token, clock.Add(time.Second)))
+	late = claim("k", "late", time.Minute)
+	late.Now = clock.Add(time.Second)
 	late.LeaseExpires = late.Now.Add(time.Minute)
 	clock = late.Now
 	res, err = f.store.TakeOver(ctx, late, holder.Token)
