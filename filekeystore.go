@@ -314,6 +314,14 @@ func (s *FileKeyStore) load() error {
 		}
 		break
 	}
+	// What was read may be a write whose process died before its fsync,
+	// still only in the page cache; this store hands its keys out as
+	// durable, so they must be. A trim has synced already.
+	if s.recovery.TrimmedBytes == 0 {
+		if err := s.f.Sync(); err != nil {
+			return fmt.Errorf("idemhttp: open key store %s: %w", s.path, err)
+		}
+	}
 	s.countLiveBytes()
 	switch {
 	case s.hdr.Version() != keylog.Version:
