@@ -181,12 +181,12 @@ func OpenFileKeyStore(path string, opts ...FileOption) (*FileKeyStore, error) {
 	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
 		return nil, fmt.Errorf("idemhttp: open key store %s: is a directory; give the path of a file", path)
 	}
-	f, unlock, err := openLocked(path)
+	f, file, unlock, err := openLocked(path)
 	if err != nil {
 		return nil, err
 	}
 	s := &FileKeyStore{
-		path:     path,
+		path:     file,
 		cfg:      cfg,
 		unlock:   unlock,
 		f:        f,
@@ -205,32 +205,42 @@ func OpenFileKeyStore(path string, opts ...FileOption) (*FileKeyStore, error) {
 	return s, nil
 }
 
-// openLocked opens and locks the store file. The lock is taken on the file
-// the path names after the lock is granted: a compaction may have renamed a
-// new file over it while this open was waiting.
-func openLocked(path string) (*os.File, func(), error) {
+// openLocked opens and locks the store file, and returns it with its path,
+// symbolic links resolved: a compaction replaces the file, and replacing a
+// link to it instead would leave the file behind, unlocked, for another
+// store to open by its own name. The lock is taken on the file the path
+// names after the lock is granted: a compaction may have renamed a new file
+// over it while this open was waiting.
+func openLocked(path string) (*os.File, string, func(), error) {
 	for attempt := 0; ; attempt++ {
 		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
 		if err != nil {
-			return nil, nil, fmt.Errorf("idemhttp: open key store: %w", err)
+			return nil, "", nil, fmt.Errorf("idemhttp: open key store: %w", err)
 		}
-		unlock, err := lockStore(f, path)
+		// Resolved once the file exists: a link may name one not yet made.
+		// Where a path cannot be resolved (some Windows volumes), it is
+		// used as it is, as it was before links were resolved.
+		file, err := filepath.EvalSymlinks(path)
+		if err != nil {
+			file = path
+		}
+		unlock, err := lockStore(f, file)
 		if err != nil {
 			f.Close()
 			if errors.Is(err, ErrStoreLocked) {
-				return nil, nil, fmt.Errorf("%w: %s", ErrStoreLocked, path)
+				return nil, "", nil, fmt.Errorf("%w: %s", ErrStoreLocked, path)
 			}
-			return nil, nil, fmt.Errorf("idemhttp: lock key store %s: %w", path, err)
+			return nil, "", nil, fmt.Errorf("idemhttp: lock key store %s: %w", path, err)
 		}
 		fi, ferr := f.Stat()
-		pi, perr := os.Stat(path)
+		pi, perr := os.Stat(file)
 		if ferr == nil && perr == nil && os.SameFile(fi, pi) {
-			return f, unlock, nil
+			return f, file, unlock, nil
 		}
 		f.Close()
 		unlock()
 		if attempt == 10 {
-			return nil, nil, fmt.Errorf("idemhttp: open key store %s: file keeps being replaced", path)
+			return nil, "", nil, fmt.Errorf("idemhttp: open key store %s: file keeps being replaced", path)
 		}
 	}
 }
@@ -313,6 +323,14 @@ func (s *FileKeyStore) load() error {
 			continue
 		}
 		break
+	}
+	// What was read may be a write whose process died before its fsync,
+	// still only in the page cache; this store hands its keys out as
+	// durable, so they must be. A trim has synced already.
+	if s.recovery.TrimmedBytes == 0 {
+		if err := s.f.Sync(); err != nil {
+			return fmt.Errorf("idemhttp: open key store %s: %w", s.path, err)
+		}
 	}
 	s.countLiveBytes()
 	switch {
@@ -413,7 +431,7 @@ func (s *FileKeyStore) Recovery() FileRecovery {
 	return r
 }
 
-// Path returns the path of the store file.
+// Path returns the path of the store file, with symbolic links resolved.
 func (s *FileKeyStore) Path() string { return s.path }
 
 // Acquire implements [KeyStore]. It returns nil only once the key it
