@@ -60,8 +60,10 @@
 // operation in the ledger, each executed once, whatever the faults: an
 // operation sent twice with two keys shows as one key too many, a key
 // executed twice (because the middleware was bypassed, misconfigured or
-// its store forgot the key) as a duplicate, and a retry told something
-// else than the first answer as a wrong replay. [Server.Executions],
+// its store forgot the key) as a duplicate, a retry told something
+// else than the first answer as a wrong replay, and a run of a POST or
+// PATCH (any method HTTP does not define as idempotent) without a key,
+// which nothing deduplicates and no key counts, as a run without a key. [Server.Executions],
 // [Server.Duplicates], [Server.WrongReplays] and [Server.AssertExactlyOnce]
 // read the ledger.
 //

@@ -43,6 +43,10 @@ type ledger struct {
 	seen map[string]bool
 	// wrong describes the replays that matched no kept answer.
 	wrong []string
+	// unkeyed counts, per method and path, the runs of requests of a
+	// method that is not idempotent that carried no key, counted as runs
+	// is.
+	unkeyed map[string]int
 }
 
 // answer is what a handler answered: its status, and its body's size and
@@ -55,7 +59,7 @@ type answer struct {
 
 func newLedger(next http.Handler, header string, hold bool) *ledger {
 	return &ledger{next: next, header: header, hold: hold, runs: make(map[string]int), running: make(map[string]int),
-		kept: make(map[string][]answer), seen: make(map[string]bool)}
+		kept: make(map[string][]answer), seen: make(map[string]bool), unkeyed: make(map[string]int)}
 }
 
 // requestRuns is the ledger's note, in the context of a request the fault
@@ -86,23 +90,35 @@ func entryName(k idemserver.Key) string {
 
 func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	k, ok := idemserver.KeyFrom(r.Context())
+	unkeyed := false
 	if !ok {
 		// The middleware did not claim the request (its method is not
 		// covered, say): the key it carries is still what the client
 		// meant it to be deduplicated by.
 		if k.Key, ok = requestKey(r, l.header); !ok {
-			l.next.ServeHTTP(w, r)
-			return
+			if idempotentMethod(r.Method) {
+				l.next.ServeHTTP(w, r)
+				return
+			}
+			// Nothing deduplicates a run without a key: a client that
+			// sends an operation's retry without its key runs it again,
+			// under no key the ledger counts.
+			unkeyed = true
 		}
 	}
 	name := entryName(k)
+	if unkeyed {
+		name = r.Method + " " + r.URL.Path + " without a key"
+	}
 	var note *requestRuns
 	if l.hold {
 		note, _ = r.Context().Value(requestRunsKey{}).(*requestRuns)
 	}
 	l.mu.Lock()
 	l.running[name]++
-	l.seen[k.Key] = true
+	if !unkeyed {
+		l.seen[k.Key] = true
+	}
 	l.mu.Unlock()
 	sw := &statusWriter{ResponseWriter: w, body: sha256.New()}
 	returned := false
@@ -119,7 +135,9 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if l.running[name]--; l.running[name] == 0 {
 			delete(l.running, name)
 		}
-		if returned && !sw.releases {
+		if returned && !sw.releases && unkeyed {
+			l.unkeyed[name]++
+		} else if returned && !sw.releases {
 			l.runs[name]++
 			var kept *answer
 			if !silentAfterEnd {
@@ -236,6 +254,30 @@ func (l *ledger) duplicates() []string {
 	}
 	slices.Sort(dups)
 	return dups
+}
+
+// unkeyedRuns describes the counted runs of requests without a key whose
+// method is not idempotent, sorted, with their number.
+func (l *ledger) unkeyedRuns() (what []string, runs int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for name, n := range l.unkeyed {
+		what = append(what, fmt.Sprintf("%s (%d)", name, n))
+		runs += n
+	}
+	slices.Sort(what)
+	return what, runs
+}
+
+// idempotentMethod reports whether HTTP defines method as idempotent
+// (RFC 9110, section 9.2.2), so that a client may send it again without a
+// key.
+func idempotentMethod(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace, http.MethodPut, http.MethodDelete:
+		return true
+	}
+	return false
 }
 
 func (l *ledger) wrongReplays() []string {
