@@ -37,8 +37,9 @@ type injector struct {
 	// done ends delays and stalls when the owner closes.
 	done <-chan struct{}
 	// check, if set, is given every replayed response that passes, with
-	// the idempotency key it was replayed for.
-	check func(key string, status int, header http.Header, body []byte)
+	// the context of the request the middleware served and the idempotency
+	// key the request carried.
+	check func(ctx context.Context, key string, status int, header http.Header, body []byte)
 
 	mu       sync.Mutex
 	closed   bool
@@ -48,7 +49,7 @@ type injector struct {
 }
 
 func newInjector(next http.Handler, f Faults, seed int64, header string, done <-chan struct{},
-	check func(key string, status int, header http.Header, body []byte)) *injector {
+	check func(ctx context.Context, key string, status int, header http.Header, body []byte)) *injector {
 	return &injector{next: next, faults: f, seed: seed, header: header, done: done, check: check,
 		attempts: make(map[string]uint64)}
 }
@@ -119,11 +120,12 @@ func (in *injector) pass(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rw := &replayWriter{ResponseWriter: w}
-	in.next.ServeHTTP(rw, withRequestRuns(r))
+	r = withRequestRuns(r)
+	in.next.ServeHTTP(rw, r)
 	in.countReplayed(w.Header())
 	if rw.replay && r.Method != http.MethodHead {
 		if key, ok := requestKey(r, in.header); ok {
-			in.check(key, rw.status, w.Header(), rw.body.Bytes())
+			in.check(r.Context(), key, rw.status, w.Header(), rw.body.Bytes())
 		}
 	}
 }

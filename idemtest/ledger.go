@@ -27,7 +27,7 @@ type ledger struct {
 	// such a store may discard everything a run did, when it rolls back
 	// (idemserver.ErrRolledBack) or asks for the request to run again
 	// (idemserver.ErrRetryRequest), and a discarded run does not count
-	// (see discardWatcher).
+	// (see storeWatcher).
 	hold bool
 
 	mu   sync.Mutex
@@ -35,9 +35,8 @@ type ledger struct {
 	// running counts the runs that have not ended, which runs does not
 	// count yet: an assertion made while one goes on is not final.
 	running map[string]int
-	// kept holds, per bare key (replays are checked in front of the
-	// middleware, where the scope is not known), the answers of the runs
-	// whose outcome the middleware keeps; seen marks the bare keys the
+	// kept holds, per entry (scope and key, as runs), the answers of the
+	// runs whose outcome the middleware keeps; seen marks the entries the
 	// handler ran for at all.
 	kept map[string][]answer
 	seen map[string]bool
@@ -63,11 +62,12 @@ func newLedger(next http.Handler, header string, hold bool) *ledger {
 }
 
 // requestRuns is the ledger's note, in the context of a request the fault
-// injector passed on, of the request's last counted run.
+// injector passed on, of the entry the middleware claimed for the request
+// and of the request's last counted run.
 type requestRuns struct {
+	claimed string // the entry of the key claimed; empty before a claim
 	counted bool
 	name    string
-	key     string
 	kept    *answer
 }
 
@@ -117,7 +117,7 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	l.mu.Lock()
 	l.running[name]++
 	if !unkeyed {
-		l.seen[k.Key] = true
+		l.seen[name] = true
 	}
 	l.mu.Unlock()
 	sw := &statusWriter{ResponseWriter: w, body: sha256.New()}
@@ -143,10 +143,10 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			if !silentAfterEnd {
 				a := sw.answer()
 				kept = &a
-				l.kept[k.Key] = append(l.kept[k.Key], a)
+				l.kept[name] = append(l.kept[name], a)
 			}
 			if note != nil {
-				*note = requestRuns{counted: true, name: name, key: k.Key, kept: kept}
+				note.counted, note.name, note.kept = true, name, kept
 			}
 		}
 		l.mu.Unlock()
@@ -175,26 +175,40 @@ func (l *ledger) uncount(note *requestRuns) {
 		delete(l.runs, note.name)
 	}
 	if note.kept != nil {
-		kept := l.kept[note.key]
+		kept := l.kept[note.name]
 		if i := slices.Index(kept, *note.kept); i >= 0 {
-			l.kept[note.key] = slices.Delete(kept, i, i+1)
+			l.kept[note.name] = slices.Delete(kept, i, i+1)
 		}
 	}
 	note.counted = false
 }
 
-// checkReplay checks a response the middleware replayed for the bare key:
-// it must be an answer the handler gave for that key, and kept. A key the
-// handler never ran for here (its record was made by another server
-// sharing the store) cannot be checked. A replay of a response whose body
-// was too large to keep carries the status and a problem document of type
-// idemserver.ProblemResponseNotStored.
-func (l *ledger) checkReplay(key string, status int, header http.Header, body []byte) {
+// claiming notes, in the note in ctx, that the middleware claims key for
+// the request: a replay it then serves is one of key's, in key's scope.
+func (l *ledger) claiming(ctx context.Context, key idemserver.Key) {
+	if note, _ := ctx.Value(requestRunsKey{}).(*requestRuns); note != nil {
+		l.mu.Lock()
+		note.claimed = entryName(key)
+		l.mu.Unlock()
+	}
+}
+
+// checkReplay checks a response the middleware replayed for the request
+// whose context is ctx and whose bare key is key: it must be an answer the
+// handler gave for the entry the middleware claimed (the key in its
+// scope), and kept. An entry the handler never ran for here (its record
+// was made by another server sharing the store) cannot be checked. A
+// replay of a response whose body was too large to keep carries the
+// status and a problem document of type idemserver.ProblemResponseNotStored.
+func (l *ledger) checkReplay(ctx context.Context, key string, status int, header http.Header, body []byte) {
 	got := answer{status: status, size: len(body), sum: sha256.Sum256(body)}
 	omitted := strings.HasPrefix(header.Get("Content-Type"), "application/problem+json") &&
 		bytes.Contains(body, []byte(strconv.Quote(idemserver.ProblemResponseNotStored)))
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if note, _ := ctx.Value(requestRunsKey{}).(*requestRuns); note != nil && note.claimed != "" {
+		key = note.claimed
+	}
 	if !l.seen[key] {
 		return
 	}

@@ -58,7 +58,7 @@ func NewServer(h http.Handler, opts ...Option) *Server {
 	}
 	holder, ok := store.(idemserver.ResponseHolder)
 	s.ledger = newLedger(h, cfg.header, ok && holder.HoldResponses())
-	mw := idemserver.Middleware(watchDiscards(store, s.ledger), append(cfg.middleware, idemserver.WithKeyHeader(cfg.header))...)
+	mw := idemserver.Middleware(watchStore(store, s.ledger), append(cfg.middleware, idemserver.WithKeyHeader(cfg.header))...)
 	s.injector = newInjector(mw(s.ledger), cfg.faults, cfg.seed, cfg.header, s.done, s.ledger.checkReplay)
 	s.ts = httptest.NewServer(s.injector)
 	s.URL = s.ts.URL
