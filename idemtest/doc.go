@@ -20,6 +20,10 @@
 //     makes blind retries dangerous;
 //   - answer 503, or 429 with Retry-After, itself, without running the
 //     handler;
+//   - let the request through and cut its response short: the status and
+//     header fields arrive, and the connection is reset halfway through
+//     the body, so that a client has, say, a 201 whose body it cannot
+//     read, from a handler that acted;
 //   - stall: hold the request, unanswered, until the client gives up;
 //   - or let it through untouched.
 //
