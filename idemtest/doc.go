@@ -79,9 +79,12 @@
 // The faults a request meets depend only on the seed, the request's identity
 // and how many requests with that identity the injector saw before it. The
 // identity is the request's idempotency key, or for a request without one
-// its method and URL. Decisions therefore do not depend on how concurrent
-// requests are scheduled: the third attempt with key k meets the same faults
-// in every run with the same seed. Clients make random keys (UUIDv7), so for
+// its method and URL. Decisions therefore do not depend on how requests of
+// different identities are scheduled: the third attempt with key k meets the
+// same faults in every run with the same seed. Requests of one identity
+// sent at once (two concurrent attempts with one key, or keyless requests
+// to one URL) take their attempt numbers in the order they arrive, which
+// scheduling decides. Clients make random keys (UUIDv7), so for
 // a run that repeats request for request, give the client a key generator
 // that repeats too (idemhttp.WithKeyGenerator); the rate at which each fault
 // fires is the same either way. The seed is reported by [Server.Seed] and in
