@@ -4,7 +4,6 @@ import (
 	"context"
 	"io"
 	"net/http"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -87,17 +86,9 @@ func TestReplayFromAnotherScopeCaught(t *testing.T) {
 			defer client.CloseIdleConnections()
 			bodies := make(map[string][]string)
 			for _, tenant := range []string{"a", "b", "a", "b"} {
-				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("{}"))
-				require.NoError(t, err)
-				req.Header.Set(idemserver.DefaultKeyHeader, "k")
-				req.Header.Set("Tenant", tenant)
-				resp, err := client.Do(req)
-				require.NoError(t, err)
-				body, err := io.ReadAll(resp.Body)
-				require.NoError(t, err)
-				require.NoError(t, resp.Body.Close())
-				assert.Equal(t, http.StatusCreated, resp.StatusCode)
-				bodies[tenant] = append(bodies[tenant], string(body))
+				status, body := postAs(t, client, srv.URL, tenant, "k")
+				assert.Equal(t, http.StatusCreated, status)
+				bodies[tenant] = append(bodies[tenant], body)
 			}
 			assert.Equal(t, map[string]int{`"a" k`: 1, `"b" k`: 1}, srv.Executions())
 			rec := &recordingTB{TB: t}
