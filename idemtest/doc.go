@@ -56,8 +56,9 @@
 // The ledger also keeps the answers of those executions, and the fault
 // injector, in front of the middleware, checks every response marked
 // Idempotent-Replayed against them: a retry must get the first answer
-// given for its key in its scope, its status and body (another tenant's
-// answer for the same key is a leak), and nothing may be replayed for a
+// given for its key in its scope, its status, body and header fields as
+// the middleware keeps them (not Set-Cookie nor hop-by-hop fields; another
+// tenant's answer for the same key is a leak), and nothing may be replayed for a
 // key whose runs gave no answer to keep (a stored 200 for a run that gave
 // up when its client left tells the client of an outcome that never
 // happened). The Server learns which scoped key the middleware claimed

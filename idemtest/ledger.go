@@ -8,6 +8,7 @@ import (
 	"hash"
 	"maps"
 	"net/http"
+	"net/textproto"
 	"slices"
 	"strconv"
 	"strings"
@@ -48,10 +49,12 @@ type ledger struct {
 	unkeyed map[string]int
 }
 
-// answer is what a handler answered: its status, and its body's size and
-// SHA-256.
+// answer is what a handler answered: its status, the SHA-256 of its header
+// fields as the middleware keeps them (see fieldsSum), and its body's size
+// and SHA-256.
 type answer struct {
 	status int
+	fields [sha256.Size]byte
 	size   int
 	sum    [sha256.Size]byte
 }
@@ -201,7 +204,7 @@ func (l *ledger) claiming(ctx context.Context, key idemserver.Key) {
 // replay of a response whose body was too large to keep carries the
 // status and a problem document of type idemserver.ProblemResponseNotStored.
 func (l *ledger) checkReplay(ctx context.Context, key string, status int, header http.Header, body []byte) {
-	got := answer{status: status, size: len(body), sum: sha256.Sum256(body)}
+	got := answer{status: status, fields: fieldsSum(header), size: len(body), sum: sha256.Sum256(body)}
 	omitted := strings.HasPrefix(header.Get("Content-Type"), "application/problem+json") &&
 		bytes.Contains(body, []byte(strconv.Quote(idemserver.ProblemResponseNotStored)))
 	l.mu.Lock()
@@ -214,7 +217,9 @@ func (l *ledger) checkReplay(ctx context.Context, key string, status int, header
 	}
 	kept := l.kept[key]
 	for _, a := range kept {
-		if a.status == got.status && (omitted || !bodyAllowed(status) || a == got) {
+		// A response too large to keep is replayed with a problem
+		// document in place of its body and its body's fields.
+		if a.status == got.status && (omitted || a.fields == got.fields && (!bodyAllowed(status) || a == got)) {
 			return
 		}
 	}
@@ -230,7 +235,43 @@ func (l *ledger) checkReplay(ctx context.Context, key string, status int, header
 }
 
 func (a answer) String() string {
-	return fmt.Sprintf("%d with a %d-byte body %x", a.status, a.size, a.sum[:4])
+	return fmt.Sprintf("%d with a %d-byte body %x and header fields %x", a.status, a.size, a.sum[:4], a.fields[:4])
+}
+
+// fieldsSum returns the SHA-256 of the fields of h that a replay must
+// carry as the first response did: all but those the middleware does not
+// keep (hop-by-hop fields, those named in Connection, trailers, invalid
+// names, and Set-Cookie, which it keeps only when allowed) and those it
+// sets itself (Idempotent-Replayed, and Content-Length, which it may add).
+func fieldsSum(h http.Header) [sha256.Size]byte {
+	named := make(map[string]bool)
+	for _, v := range h.Values("Connection") {
+		for tok := range strings.SplitSeq(v, ",") {
+			named[textproto.CanonicalMIMEHeaderKey(strings.TrimSpace(tok))] = true
+		}
+	}
+	names := make([]string, 0, len(h))
+	for k := range h {
+		ck := textproto.CanonicalMIMEHeaderKey(k)
+		switch {
+		case !fieldName(k), named[ck], strings.HasPrefix(k, http.TrailerPrefix), strings.HasPrefix(ck, "Proxy-"):
+			continue
+		}
+		switch ck {
+		case "Connection", "Keep-Alive", "Te", "Trailer", "Transfer-Encoding", "Upgrade",
+			"Set-Cookie", "Content-Length", idemserver.ReplayedHeader:
+			continue
+		}
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	sum := sha256.New()
+	for _, k := range names {
+		fmt.Fprintf(sum, "%s:%q\n", k, h[k])
+	}
+	var out [sha256.Size]byte
+	sum.Sum(out[:0])
+	return out
 }
 
 // bodyAllowed reports whether a response with status carries a body.
@@ -300,14 +341,25 @@ func (l *ledger) wrongReplays() []string {
 	return slices.Clone(l.wrong)
 }
 
+// fieldName reports whether name is a token (RFC 9110, section 5.1), a
+// field name net/http writes: visible ASCII characters other than the
+// delimiters.
+func fieldName(name string) bool {
+	return name != "" && strings.IndexFunc(name, func(c rune) bool {
+		return c <= ' ' || c > '~' || strings.ContainsRune(`"(),/:;<=>?@[\]{}`, c)
+	}) < 0
+}
+
 // statusWriter notes the status a handler answers with, and whether the
 // middleware releases the key after it: judged, as the middleware judges
-// it, by the header fields when the status is written. It hashes the body
-// the handler writes.
+// it, by the header fields when the status is written. It hashes the
+// header fields as they are then, which are those the client gets, and
+// the body the handler writes.
 type statusWriter struct {
 	http.ResponseWriter
 	status   int
 	releases bool
+	fields   *[sha256.Size]byte // fieldsSum of the header when the status was written
 	body     hash.Hash
 	size     int
 }
@@ -316,13 +368,24 @@ func (w *statusWriter) WriteHeader(code int) {
 	if w.status == 0 && code >= 200 {
 		w.status = code
 		w.releases = idemserver.ReleasesResponse(code, w.Header())
+		w.noteFields()
 	}
 	w.ResponseWriter.WriteHeader(code)
+}
+
+// noteFields keeps the sum of the header fields, once: the header is
+// written.
+func (w *statusWriter) noteFields() {
+	if w.fields == nil {
+		sum := fieldsSum(w.Header())
+		w.fields = &sum
+	}
 }
 
 func (w *statusWriter) Write(p []byte) (int, error) {
 	if w.status == 0 {
 		w.status = http.StatusOK
+		w.noteFields()
 	}
 	n, err := w.ResponseWriter.Write(p)
 	w.body.Write(p[:n])
@@ -334,6 +397,7 @@ func (w *statusWriter) Write(p []byte) (int, error) {
 func (w *statusWriter) Flush() {
 	if w.status == 0 {
 		w.status = http.StatusOK
+		w.noteFields()
 	}
 	_ = http.NewResponseController(w.ResponseWriter).Flush()
 }
@@ -348,6 +412,8 @@ func (w *statusWriter) answer() answer {
 	if a.status == 0 {
 		a.status = http.StatusOK
 	}
+	w.noteFields() // a handler that wrote nothing: its fields as it left them
+	a.fields = *w.fields
 	w.body.Sum(a.sum[:0])
 	return a
 }

@@ -207,7 +207,7 @@ func TestWrongReplaysCaught(t *testing.T) {
 	}{
 		{name: "empty 200 stored for a run that gave up", handler: gaveUp,
 			store: func(s idemserver.Store) idemserver.Store { return storeOutcomeOnRelease{s} },
-			wrong: "k (replayed 200 with a 0-byte body e3b0c442; the handler gave no answer to keep)"},
+			wrong: "k (replayed 200 with a 0-byte body e3b0c442 and header fields e3b0c442; the handler gave no answer to keep)"},
 		{name: "run that gave up, released", handler: gaveUp},
 		{name: "different body",
 			store: func(s idemserver.Store) idemserver.Store {

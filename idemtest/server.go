@@ -98,7 +98,8 @@ func (s *Server) Duplicates() []string { return s.ledger.duplicates() }
 // WrongReplays describes the responses the middleware replayed that are
 // not an answer the handler gave for their key and the middleware keeps: a
 // replay of a stored 200 for a run that answered nothing once its client
-// had gone, or one whose status or body differs from the first answer. It
+// had gone, or one whose status, body or header fields (those the
+// middleware keeps, but Set-Cookie) differ from the first answer. It
 // is empty when every retry got the first answer. Replays for keys the
 // handler never ran for here (records made by another server that shares
 // the store) are not checked.
