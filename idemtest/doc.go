@@ -20,6 +20,10 @@
 //     makes blind retries dangerous;
 //   - answer 503, or 429 with Retry-After, itself, without running the
 //     handler;
+//   - let the request through and cut its response short: the status and
+//     header fields arrive, and the connection is reset halfway through
+//     the body, so that a client has, say, a 201 whose body it cannot
+//     read, from a handler that acted;
 //   - stall: hold the request, unanswered, until the client gives up;
 //   - or let it through untouched.
 //
@@ -51,17 +55,23 @@
 //
 // The ledger also keeps the answers of those executions, and the fault
 // injector, in front of the middleware, checks every response marked
-// Idempotent-Replayed against them: a retry must get the first answer,
-// its status and body, and nothing may be replayed for a key whose runs
-// gave no answer to keep (a stored 200 for a run that gave up when its
-// client left tells the client of an outcome that never happened).
+// Idempotent-Replayed against them: a retry must get the first answer
+// given for its key in its scope, its status, body and header fields as
+// the middleware keeps them (not Set-Cookie nor hop-by-hop fields; another
+// tenant's answer for the same key is a leak), and nothing may be replayed for a
+// key whose runs gave no answer to keep (a stored 200 for a run that gave
+// up when its client left tells the client of an outcome that never
+// happened). The Server learns which scoped key the middleware claimed
+// for a request from the store's claims, through the same wrapper.
 //
 // A client and handler that are exactly-once leave one key per logical
 // operation in the ledger, each executed once, whatever the faults: an
 // operation sent twice with two keys shows as one key too many, a key
 // executed twice (because the middleware was bypassed, misconfigured or
-// its store forgot the key) as a duplicate, and a retry told something
-// else than the first answer as a wrong replay. [Server.Executions],
+// its store forgot the key) as a duplicate, a retry told something
+// else than the first answer as a wrong replay, and a run of a POST or
+// PATCH (any method HTTP does not define as idempotent) without a key,
+// which nothing deduplicates and no key counts, as a run without a key. [Server.Executions],
 // [Server.Duplicates], [Server.WrongReplays] and [Server.AssertExactlyOnce]
 // read the ledger.
 //
@@ -70,9 +80,12 @@
 // The faults a request meets depend only on the seed, the request's identity
 // and how many requests with that identity the injector saw before it. The
 // identity is the request's idempotency key, or for a request without one
-// its method and URL. Decisions therefore do not depend on how concurrent
-// requests are scheduled: the third attempt with key k meets the same faults
-// in every run with the same seed. Clients make random keys (UUIDv7), so for
+// its method and URL. Decisions therefore do not depend on how requests of
+// different identities are scheduled: the third attempt with key k meets the
+// same faults in every run with the same seed. Requests of one identity
+// sent at once (two concurrent attempts with one key, or keyless requests
+// to one URL) take their attempt numbers in the order they arrive, which
+// scheduling decides. Clients make random keys (UUIDv7), so for
 // a run that repeats request for request, give the client a key generator
 // that repeats too (idemhttp.WithKeyGenerator); the rate at which each fault
 // fires is the same either way. The seed is reported by [Server.Seed] and in

@@ -17,7 +17,7 @@ var ErrInvalidFaults = errors.New("idemtest: invalid faults")
 //
 // Each request first meets a delay, with probability Latency, and then at
 // most one of the faults ResetBefore, LoseResponse, Unavailable,
-// TooManyRequests and Stall, each with its probability; those five
+// TooManyRequests, Stall and CutBody, each with its probability; those six
 // probabilities must add up to at most 1, and whatever is left is the
 // probability that the request goes through untouched. The zero Faults
 // harms nothing.
@@ -47,6 +47,17 @@ type Faults struct {
 	// reset. A client without an attempt timeout waits for as long as its
 	// request's context lets it.
 	Stall float64
+	// CutBody is the probability that the request goes through, the
+	// handler runs (behind the middleware) and its response reaches the
+	// client cut short: its status and header fields, then the first half
+	// of its body, sent chunked, and then a reset instead of the body's
+	// end. The client has a response, 2xx perhaps, whose body it cannot
+	// read to the end (io.ErrUnexpectedEOF or a connection reset): a
+	// client that takes the operation for unfinished must retry it with
+	// its key, since the handler acted. A response that cannot have a
+	// body (to a HEAD, or a 1xx, 204 or 304) is lost whole instead, as
+	// with LoseResponse.
+	CutBody float64
 	// RetryAfter is the wait the 429 asks for, rounded up to whole seconds.
 	// Zero sends "Retry-After: 0".
 	RetryAfter time.Duration
@@ -69,15 +80,15 @@ func (f *Faults) validate() error {
 	}{
 		{"ResetBefore", f.ResetBefore}, {"LoseResponse", f.LoseResponse},
 		{"Unavailable", f.Unavailable}, {"TooManyRequests", f.TooManyRequests},
-		{"Stall", f.Stall}, {"Latency", f.Latency},
+		{"Stall", f.Stall}, {"CutBody", f.CutBody}, {"Latency", f.Latency},
 	}
 	for _, p := range probs {
 		if math.IsNaN(p.p) || p.p < 0 || p.p > 1 {
 			return fmt.Errorf("%w: %s = %v is not a probability in [0, 1]", ErrInvalidFaults, p.name, p.p)
 		}
 	}
-	if sum := f.ResetBefore + f.LoseResponse + f.Unavailable + f.TooManyRequests + f.Stall; sum > 1+1e-9 {
-		return fmt.Errorf("%w: ResetBefore, LoseResponse, Unavailable, TooManyRequests and Stall add up to %v, more than 1",
+	if sum := f.ResetBefore + f.LoseResponse + f.Unavailable + f.TooManyRequests + f.Stall + f.CutBody; sum > 1+1e-9 {
+		return fmt.Errorf("%w: ResetBefore, LoseResponse, Unavailable, TooManyRequests, Stall and CutBody add up to %v, more than 1",
 			ErrInvalidFaults, sum)
 	}
 	switch {
@@ -105,6 +116,7 @@ const (
 	faultUnavailable
 	faultTooManyRequests
 	faultStall
+	faultCutBody
 )
 
 // decision is what the injector does to one request.
@@ -139,7 +151,7 @@ func decide(f *Faults, seed int64, identity string, attempt uint64) decision {
 	}{
 		{f.ResetBefore, faultResetBefore}, {f.LoseResponse, faultLoseResponse},
 		{f.Unavailable, faultUnavailable}, {f.TooManyRequests, faultTooManyRequests},
-		{f.Stall, faultStall},
+		{f.Stall, faultStall}, {f.CutBody, faultCutBody},
 	} {
 		if which < c.p {
 			d.fault = c.fault

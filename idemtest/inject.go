@@ -3,10 +3,13 @@ package idemtest
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -19,9 +22,9 @@ type Stats struct {
 	Requests int
 	// Delayed counts the requests delayed by Faults.Latency.
 	Delayed int
-	// ResetBefore, LostResponses, Unavailable, TooManyRequests and Stalled
-	// count the requests that met each fault.
-	ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled int
+	// ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled
+	// and CutBodies count the requests that met each fault.
+	ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled, CutBodies int
 	// Replayed counts the responses marked Idempotent-Replayed: true that
 	// came back through the injector, including those it then dropped.
 	Replayed int
@@ -37,8 +40,9 @@ type injector struct {
 	// done ends delays and stalls when the owner closes.
 	done <-chan struct{}
 	// check, if set, is given every replayed response that passes, with
-	// the idempotency key it was replayed for.
-	check func(key string, status int, header http.Header, body []byte)
+	// the context of the request the middleware served and the idempotency
+	// key the request carried.
+	check func(ctx context.Context, key string, status int, header http.Header, body []byte)
 
 	mu       sync.Mutex
 	closed   bool
@@ -48,7 +52,7 @@ type injector struct {
 }
 
 func newInjector(next http.Handler, f Faults, seed int64, header string, done <-chan struct{},
-	check func(key string, status int, header http.Header, body []byte)) *injector {
+	check func(ctx context.Context, key string, status int, header http.Header, body []byte)) *injector {
 	return &injector{next: next, faults: f, seed: seed, header: header, done: done, check: check,
 		attempts: make(map[string]uint64)}
 }
@@ -80,6 +84,8 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		in.stats.TooManyRequests++
 	case faultStall:
 		in.stats.Stalled++
+	case faultCutBody:
+		in.stats.CutBodies++
 	}
 	in.mu.Unlock()
 
@@ -105,6 +111,10 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		in.wait(r.Context(), -1)
 		reset(w)
+	case faultCutBody:
+		rec := httptest.NewRecorder()
+		in.pass(rec, r)
+		cut(w, r, rec.Result(), rec.Body.Bytes())
 	default:
 		in.pass(w, r)
 	}
@@ -119,11 +129,12 @@ func (in *injector) pass(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rw := &replayWriter{ResponseWriter: w}
-	in.next.ServeHTTP(rw, withRequestRuns(r))
+	r = withRequestRuns(r)
+	in.next.ServeHTTP(rw, r)
 	in.countReplayed(w.Header())
 	if rw.replay && r.Method != http.MethodHead {
 		if key, ok := requestKey(r, in.header); ok {
-			in.check(key, rw.status, w.Header(), rw.body.Bytes())
+			in.check(r.Context(), key, rw.status, w.Header(), rw.body.Bytes())
 		}
 	}
 }
@@ -206,15 +217,47 @@ const resetPrefix = "HTTP/1.1 503 Service Unavailable\r\n"
 // line and a TCP reset where the connection can be hijacked, an aborted
 // response otherwise.
 func reset(w http.ResponseWriter) {
+	abort(w, resetPrefix)
+}
+
+// abort writes prefix, unbuffered, on the connection under w, and ends the
+// connection with a TCP reset where it can be hijacked; otherwise it
+// aborts the response.
+func abort(w http.ResponseWriter, prefix string) {
 	conn, _, err := http.NewResponseController(w).Hijack()
 	if err != nil {
 		panic(http.ErrAbortHandler) // HTTP/2: the server resets the stream
 	}
-	_, _ = io.WriteString(conn, resetPrefix)
+	_, _ = io.WriteString(conn, prefix)
 	if tc, ok := conn.(*net.TCPConn); ok {
 		_ = tc.SetLinger(0) // close with RST, not FIN
 	}
 	_ = conn.Close()
+}
+
+// cut sends resp, whose body is body, cut short: its status and header
+// fields, the first half of body in a chunk, and then a reset in place of
+// the rest and of the last chunk, so that the client's read of the body
+// fails however short it is. A response that cannot have a body is
+// replaced by a reset.
+func cut(w http.ResponseWriter, r *http.Request, resp *http.Response, body []byte) {
+	if r.Method == http.MethodHead || !bodyAllowed(resp.StatusCode) {
+		reset(w)
+		return
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "HTTP/1.1 %03d %s\r\n", resp.StatusCode, http.StatusText(resp.StatusCode))
+	h := resp.Header.Clone()
+	h.Del("Content-Length")
+	h.Del("Transfer-Encoding")
+	h.Del("Connection")
+	h.Set("Transfer-Encoding", "chunked")
+	_ = h.Write(&b)
+	b.WriteString("\r\n")
+	if half := body[:len(body)/2]; len(half) > 0 {
+		fmt.Fprintf(&b, "%x\r\n%s\r\n", len(half), half)
+	}
+	abort(w, b.String())
 }
 
 // replayWriter passes a response through, and keeps its status and, if it

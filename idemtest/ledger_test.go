@@ -3,6 +3,7 @@ package idemtest
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -206,7 +207,7 @@ func TestWrongReplaysCaught(t *testing.T) {
 	}{
 		{name: "empty 200 stored for a run that gave up", handler: gaveUp,
 			store: func(s idemserver.Store) idemserver.Store { return storeOutcomeOnRelease{s} },
-			wrong: "k (replayed 200 with a 0-byte body e3b0c442; the handler gave no answer to keep)"},
+			wrong: "k (replayed 200 with a 0-byte body e3b0c442 and header fields e3b0c442; the handler gave no answer to keep)"},
 		{name: "run that gave up, released", handler: gaveUp},
 		{name: "different body",
 			store: func(s idemserver.Store) idemserver.Store {
@@ -326,14 +327,8 @@ func TestLedgerScopes(t *testing.T) {
 			client := rawClient()
 			defer client.CloseIdleConnections()
 			for _, tenant := range []string{"a", "b", "a", "b"} {
-				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("{}"))
-				require.NoError(t, err)
-				req.Header.Set(idemserver.DefaultKeyHeader, "k")
-				req.Header.Set("Tenant", tenant)
-				resp, err := client.Do(req)
-				require.NoError(t, err)
-				resp.Body.Close()
-				assert.Equal(t, http.StatusCreated, resp.StatusCode)
+				status, _ := postAs(t, client, srv.URL, tenant, "k")
+				assert.Equal(t, http.StatusCreated, status)
 			}
 			assert.Equal(t, tt.runs, srv.Executions())
 			assert.Empty(t, srv.Duplicates())
@@ -341,6 +336,22 @@ func TestLedgerScopes(t *testing.T) {
 			assert.Equal(t, !tt.blind, srv.AssertExactlyOnce(rec, 2), "%v", rec.errors)
 		})
 	}
+}
+
+// postAs sends a POST with key for tenant (in the Tenant header field) and
+// returns the status and body of the answer.
+func postAs(t *testing.T, client *http.Client, url, tenant, key string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, url, strings.NewReader("{}"))
+	require.NoError(t, err)
+	req.Header.Set(idemserver.DefaultKeyHeader, key)
+	req.Header.Set("Tenant", tenant)
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return resp.StatusCode, string(body)
 }
 
 // discardingStore holds responses, as a store that commits the handler's

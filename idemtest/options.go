@@ -16,11 +16,12 @@ type config struct {
 
 // WithStore sets the store of the server's middleware. By default the server
 // makes an [idemserver.MemoryStore] of its own, which Close closes; a store
-// given here is the caller's to close. A store that holds responses
-// (idemserver.ResponseHolder) reaches the middleware through a wrapper
-// that passes every call on, its idemserver.PackedStore methods too, and
-// tells the ledger of the runs whose work the store discarded (see the
-// package documentation).
+// given here is the caller's to close. The store reaches the middleware
+// through a wrapper that passes every call on, its idemserver.PackedStore
+// methods too, says whether it holds responses (idemserver.ResponseHolder)
+// as the store does, and tells the ledger which scoped key each request
+// claimed and, for a store that holds responses, of the runs whose work
+// the store discarded (see the package documentation).
 func WithStore(s idemserver.Store) Option {
 	return func(c *config) { c.store = s }
 }

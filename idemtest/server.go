@@ -58,7 +58,7 @@ func NewServer(h http.Handler, opts ...Option) *Server {
 	}
 	holder, ok := store.(idemserver.ResponseHolder)
 	s.ledger = newLedger(h, cfg.header, ok && holder.HoldResponses())
-	mw := idemserver.Middleware(watchDiscards(store, s.ledger), append(cfg.middleware, idemserver.WithKeyHeader(cfg.header))...)
+	mw := idemserver.Middleware(watchStore(store, s.ledger), append(cfg.middleware, idemserver.WithKeyHeader(cfg.header))...)
 	s.injector = newInjector(mw(s.ledger), cfg.faults, cfg.seed, cfg.header, s.done, s.ledger.checkReplay)
 	s.ts = httptest.NewServer(s.injector)
 	s.URL = s.ts.URL
@@ -98,7 +98,8 @@ func (s *Server) Duplicates() []string { return s.ledger.duplicates() }
 // WrongReplays describes the responses the middleware replayed that are
 // not an answer the handler gave for their key and the middleware keeps: a
 // replay of a stored 200 for a run that answered nothing once its client
-// had gone, or one whose status or body differs from the first answer. It
+// had gone, or one whose status, body or header fields (those the
+// middleware keeps, but Set-Cookie) differ from the first answer. It
 // is empty when every retry got the first answer. Replays for keys the
 // handler never ran for here (records made by another server that shares
 // the store) are not checked.
@@ -112,7 +113,10 @@ func (s *Server) Stats() Stats { return s.injector.snapshot() }
 // than operations (an operation sent with a second key) nor fewer (an
 // operation never executed); and that every replay was the first answer
 // (see [Server.WrongReplays]), so that no client was told of an outcome
-// the handler never gave. On failure it reports, through t.Errorf, the
+// the handler never gave; and that the handler ran for no request of a
+// method that is not idempotent (POST, PATCH, ...) without a key, since
+// such a run, which no key counts, may be an operation's retry sent
+// without its key. On failure it reports, through t.Errorf, the
 // offending keys and the seed, and returns false.
 //
 // The ledger knows keys, not operations: an operation sent with two keys
@@ -139,6 +143,12 @@ func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
 	if wrong := s.WrongReplays(); len(wrong) > 0 {
 		problems = append(problems, fmt.Sprintf("%d replays were not the handler's answer: %s",
 			len(wrong), strings.Join(wrong, ", ")))
+	}
+	// A run without a key is no key's execution, and nothing deduplicates
+	// it: it may be an operation's retry sent without the operation's key.
+	if what, n := s.ledger.unkeyedRuns(); n > 0 {
+		problems = append(problems, fmt.Sprintf("%d runs of the handler for requests without an idempotency key, which nothing deduplicates: %s",
+			n, strings.Join(what, ", ")))
 	}
 	// A run is counted when it ends. One still going, such as a run whose
 	// client gave up, may yet be a duplicate or a key too many: until it

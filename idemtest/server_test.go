@@ -39,6 +39,7 @@ type outcome struct {
 	status     int
 	retryAfter string
 	replayed   bool
+	bodyErr    bool // the body could not be read to its end
 }
 
 // post sends one keyed POST to url and reports what came back.
@@ -53,9 +54,9 @@ func post(ctx context.Context, c *http.Client, url, key string) outcome {
 		return outcome{err: true}
 	}
 	defer resp.Body.Close()
-	_, _ = io.Copy(io.Discard, resp.Body)
+	_, err = io.Copy(io.Discard, resp.Body)
 	return outcome{status: resp.StatusCode, retryAfter: resp.Header.Get("Retry-After"),
-		replayed: resp.Header.Get(idemserver.ReplayedHeader) == "true"}
+		replayed: resp.Header.Get(idemserver.ReplayedHeader) == "true", bodyErr: err != nil}
 }
 
 // faulty is a server or proxy under test: where to send requests, and what
@@ -100,7 +101,7 @@ func TestFaultsFireAtTheirRates(t *testing.T) {
 
 func testFaultsFireAtTheirRates(t *testing.T, start func(*testing.T, Faults, int64) faulty) {
 	f := Faults{ResetBefore: .08, LoseResponse: .08, Unavailable: .08, TooManyRequests: .08, Stall: .08,
-		RetryAfter: 1500 * time.Millisecond, Latency: .2, MaxLatency: time.Millisecond}
+		CutBody: .08, RetryAfter: 1500 * time.Millisecond, Latency: .2, MaxLatency: time.Millisecond}
 	const n, seed = 2000, 20240601
 	srv := start(t, f, seed)
 	want := map[fault]int{}
@@ -118,6 +119,7 @@ func testFaultsFireAtTheirRates(t *testing.T, start func(*testing.T, Faults, int
 	assertRate(t, "Unavailable", want[faultUnavailable], n, f.Unavailable)
 	assertRate(t, "TooManyRequests", want[faultTooManyRequests], n, f.TooManyRequests)
 	assertRate(t, "Stall", want[faultStall], n, f.Stall)
+	assertRate(t, "CutBody", want[faultCutBody], n, f.CutBody)
 	assertRate(t, "Latency", delayed, n, f.Latency)
 
 	client := rawClient()
@@ -167,6 +169,9 @@ func testFaultsFireAtTheirRates(t *testing.T, start func(*testing.T, Faults, int
 		case faultTooManyRequests:
 			assert.Equal(t, outcome{status: 429, retryAfter: "2"}, got, "request %d", i)
 			assert.Zero(t, runs[key], "request %d ran the handler", i)
+		case faultCutBody:
+			assert.Equal(t, outcome{status: 201, bodyErr: true}, got, "request %d", i)
+			assert.Equal(t, 1, runs[key], "request %d did not run the handler", i)
 		default:
 			assert.Equal(t, outcome{status: 201}, got, "request %d", i)
 			assert.Equal(t, 1, runs[key], "request %d", i)
@@ -176,6 +181,7 @@ func testFaultsFireAtTheirRates(t *testing.T, start func(*testing.T, Faults, int
 		Requests: n, Delayed: delayed,
 		ResetBefore: want[faultResetBefore], LostResponses: want[faultLoseResponse],
 		Unavailable: want[faultUnavailable], TooManyRequests: want[faultTooManyRequests], Stalled: want[faultStall],
+		CutBodies: want[faultCutBody],
 	}, srv.stats())
 }
 

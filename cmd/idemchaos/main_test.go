@@ -422,3 +422,19 @@ func TestWorkerChecksTheAnswer(t *testing.T) {
 		})
 	}
 }
+
+// TestForgetfulClientCaught runs the scenario with a client that keeps its
+// pending keys in memory: the worker started after a kill sends the
+// payments its predecessor had in flight again, with new keys, and those
+// the server had already charged are charged twice. idemchaos must say so,
+// which shows that the client kills land between a payment the server
+// made and the client's record of it.
+func TestForgetfulClientCaught(t *testing.T) {
+	status, report := chaos(t, "-"+unsafeForgetKeysFlag, "-ops", "60", "-workers", "4", "-client-kills", "2",
+		"-faults", "0", "-seed", "5")
+	assert.Equal(t, exitFailed, status)
+	assert.Equal(t, 2, count(t, report, "client kills"))
+	assert.Positive(t, count(t, report, "duplicates"))
+	assert.Regexp(t, `(?m)^duplicated operations: op-\d\d \(2 executions\)`, report)
+	assert.Contains(t, report, "FAIL")
+}

@@ -31,10 +31,14 @@ import (
 // between the payment and the stored response pays again when a retry
 // runs the handler after the takeover (see ledger.go). unsafeTTLFlag sets
 // the middleware's retention, so that a short one forgets outcomes early.
+// unsafeForgetKeysFlag breaks the client instead: it keeps its pending
+// keys in memory, so that a killed client's successor sends the payments
+// in flight again with new keys.
 const (
-	unsafeFlag       = "unsafe-no-middleware"
-	unsafeEffectFlag = "unsafe-effect"
-	unsafeTTLFlag    = "unsafe-ttl"
+	unsafeFlag           = "unsafe-no-middleware"
+	unsafeEffectFlag     = "unsafe-effect"
+	unsafeTTLFlag        = "unsafe-ttl"
+	unsafeForgetKeysFlag = "unsafe-forget-keys"
 )
 
 // scenario is what a run does, from the flags.
@@ -50,6 +54,7 @@ type scenario struct {
 	noMiddleware    bool
 	unsafeEffect    bool
 	unsafeTTL       time.Duration
+	forgetKeys      bool
 	self            string // this program's executable
 	stderr          io.Writer
 	pollEvery       time.Duration
@@ -105,6 +110,7 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 	fs.BoolVar(&sc.unsafeEffect, unsafeEffectFlag, false,
 		"the handler's effect is not deduplicated downstream nor in the claim's transaction")
 	fs.DurationVar(&sc.unsafeTTL, unsafeTTLFlag, 0, "the middleware's retention of outcomes (0: its default)")
+	fs.BoolVar(&sc.forgetKeys, unsafeForgetKeysFlag, false, "the client keeps its pending keys in memory (a broken client)")
 	fs.Usage = func() {
 		shown := flag.NewFlagSet("idemchaos", flag.ContinueOnError)
 		shown.SetOutput(stderr)
@@ -243,6 +249,9 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 
 	clientArgs := []string{"-keys", f.keys, "-log", f.clientLog, "-url", proxy.URL(),
 		"-ops", strconv.Itoa(sc.ops), "-workers", strconv.Itoa(sc.workers)}
+	if sc.forgetKeys {
+		clientArgs = append(clientArgs, "-"+unsafeForgetKeysFlag)
+	}
 	rep = &report{scenario: sc}
 	rng := rand.New(rand.NewPCG(uint64(sc.seed), 0x6b696c6c73))
 	killAt := moments(rng, sc.clientKills, sc.ops)

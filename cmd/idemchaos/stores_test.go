@@ -74,7 +74,9 @@ func TestUnsafeEffectCaught(t *testing.T) {
 			assert.Equal(t, exitFailed, status)
 			assert.Positive(t, count(t, report, "duplicates"))
 			assert.Equal(t, 0, count(t, report, "lost"))
-			assert.Regexp(t, `(?m)^duplicated operations: op-\d\d \(2 executions\)`, report)
+			// An operation whose handler more than one server kill
+			// interrupted is paid once more for each.
+			assert.Regexp(t, `(?m)^duplicated operations: op-\d\d \([2-9] executions\)`, report)
 			assert.Contains(t, report, "FAIL")
 		})
 	}

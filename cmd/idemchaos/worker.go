@@ -45,14 +45,19 @@ func work(ctx context.Context, args []string) error {
 	url := fs.String("url", "", "the server's base URL")
 	n := fs.Int("ops", 0, "number of operations")
 	workers := fs.Int("workers", 1, "operations made at once")
+	forgetKeys := fs.Bool(unsafeForgetKeysFlag, false, "keep the pending keys in memory")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	keys, err := idemhttp.OpenFileKeyStore(*keysPath)
-	if err != nil {
-		return err
+	var keys idemhttp.KeyStore = idemhttp.NewMemoryKeyStore()
+	if !*forgetKeys {
+		file, err := idemhttp.OpenFileKeyStore(*keysPath)
+		if err != nil {
+			return err
+		}
+		defer file.Close()
+		keys = file
 	}
-	defer keys.Close()
 	lines, err := readLines(*logPath)
 	if err != nil {
 		return err
