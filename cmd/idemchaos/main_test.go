@@ -435,6 +435,6 @@ func TestForgetfulClientCaught(t *testing.T) {
 	assert.Equal(t, exitFailed, status)
 	assert.Equal(t, 2, count(t, report, "client kills"))
 	assert.Positive(t, count(t, report, "duplicates"))
-	assert.Regexp(t, `(?m)^duplicated operations: op-\d\d \(2 executions\)`, report)
+	assert.Regexp(t, `(?m)^duplicated operations: op-\d\d \([2-9] executions\)`, report)
 	assert.Contains(t, report, "FAIL")
 }
