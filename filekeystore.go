@@ -66,6 +66,9 @@ type fileConfig struct {
 	compactMinSize int64 // 0 disables compaction
 	syncEachOp     bool  // one frame and one fsync per record: no group commit
 	now            func() time.Time
+	// sync makes a written frame durable: (*os.File).Sync, unless a test
+	// makes it fail.
+	sync func(*os.File) error
 }
 
 // WithStaleAfter makes [FileKeyStore.Pending] mark operations whose key is
@@ -106,8 +109,10 @@ type FileRecovery struct {
 // replaces the store.
 //
 // If a write or an fsync fails, nothing can be known about what reached the
-// disk, so the store fails every later call with that error; reopening the
-// file recovers what is there.
+// disk, so the store cuts the file back to its end before that write (so
+// that none of the records it held, none acknowledged, is read back from
+// the page cache as if it were on disk) and fails every later call with
+// that error; reopening the file recovers what is there.
 //
 // Only one FileKeyStore at a time, in any process, may have a file open;
 // the file format is described in docs/keystore-format.md. A FileKeyStore
@@ -174,7 +179,7 @@ type queued struct {
 // is rewritten in the current version, which those releases cannot open;
 // one that cannot be replaced keeps version 1 (see docs/keystore-format.md).
 func OpenFileKeyStore(path string, opts ...FileOption) (*FileKeyStore, error) {
-	cfg := fileConfig{compactMinSize: compactMinSize, now: time.Now}
+	cfg := fileConfig{compactMinSize: compactMinSize, now: time.Now, sync: (*os.File).Sync}
 	for _, o := range opts {
 		o(&cfg)
 	}
@@ -670,7 +675,16 @@ func (s *FileKeyStore) flushLocked() {
 	s.hdr.PutFrameHeader(frame)
 	_, err := f.WriteAt(frame, off)
 	if err == nil {
-		err = f.Sync()
+		err = s.cfg.sync(f)
+	}
+	if err != nil {
+		// After a failed fsync, Linux may mark the frame's pages clean
+		// while they never reached the disk, and a reopen in the same
+		// boot would read the frame back and hand out, as durable, keys
+		// whose Acquire failed. Cut it off: none of it was acknowledged.
+		if terr := f.Truncate(off); terr == nil {
+			_ = s.cfg.sync(f)
+		}
 	}
 
 	s.mu.Lock()
