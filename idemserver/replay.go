@@ -74,7 +74,7 @@ type recorder struct {
 	wroteHeader bool
 	releases    bool // the response ends the claim by releasing it; see ReleasesResponse
 	streaming   bool // status and headers have gone to the client
-	tooLarge    bool // the body is not stored: it passed the limit, or a write to the client failed; see finish
+	tooLarge    bool // the body is not stored: it passed the limit, is cut, or a write to the client failed; see finish
 	hold        bool // never let the response through early; see ResponseHolder
 	http1       bool // the client speaks HTTP/1; see unsniffed
 }
@@ -205,6 +205,10 @@ func write[T []byte | string](c *recorder, p T) (int, error) {
 		// net/http would refuse p, and so send a body that a replay of
 		// one recorded with p would not match.
 		if int64(len(p)) > c.unwritten {
+			// It refuses every later write too, so a body short of the
+			// declared length stays short, and net/http sends it cut: it
+			// is not stored (see finish).
+			c.tooLarge = c.tooLarge || c.unwritten > 0
 			c.unwritten = 0
 			return 0, http.ErrContentLength
 		}

@@ -1020,6 +1020,70 @@ func TestWriteShortOfDeclaredContentLength(t *testing.T) {
 	}
 }
 
+// A Write refused for passing the declared Content-Length leaves the body
+// as long as it was, and it was short of that length unless the writes
+// before it had filled it: net/http sends it cut, and so must a replay
+// not. A handler that answers with json.Encoder's trailing newline after
+// declaring the length of the JSON alone, or that writes a part of its
+// body before a part too long, was stored with its cut body, every replay
+// cut too; its body is not stored. One that wrote its whole body first is.
+func TestWritePastDeclaredContentLengthAfterShortBody(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		writes []string
+		whole  bool // the first client gets the whole body, and a replay too
+	}{
+		{"one write too long", []string{"{\"id\":1}\n"}, false},
+		{"part, then a part too long", []string{"{\"id", "\":1}\n"}, false},
+		{"whole body, then more", []string{"{\"id\":1}", "\n"}, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var errs []error
+			srv := httptest.NewServer(Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Location", "/orders/1")
+				w.Header().Set("Content-Length", strconv.Itoa(len(`{"id":1}`)))
+				w.WriteHeader(http.StatusCreated)
+				for _, s := range tt.writes {
+					_, err := io.WriteString(w, s)
+					errs = append(errs, err)
+				}
+			})))
+			defer srv.Close()
+			send := func() (*http.Response, string, error) {
+				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
+				require.NoError(t, err)
+				req.Header.Set(DefaultKeyHeader, "k")
+				resp, err := srv.Client().Do(req)
+				require.NoError(t, err)
+				defer resp.Body.Close()
+				body, err := io.ReadAll(resp.Body)
+				return resp, string(body), err
+			}
+			first, firstBody, err := send()
+			assert.ErrorIs(t, errs[len(errs)-1], http.ErrContentLength)
+			assert.Equal(t, http.StatusCreated, first.StatusCode)
+			if tt.whole {
+				require.NoError(t, err)
+				assert.Equal(t, `{"id":1}`, firstBody)
+			} else {
+				assert.ErrorIs(t, err, io.ErrUnexpectedEOF, "net/http cuts the first response")
+			}
+
+			replay, body, err := send()
+			require.NoError(t, err, "the replay is whole")
+			assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, http.StatusCreated, replay.StatusCode)
+			assert.Equal(t, "/orders/1", replay.Header.Get("Location"))
+			if tt.whole {
+				assert.Equal(t, firstBody, body)
+				return
+			}
+			assert.Equal(t, "application/problem+json", replay.Header.Get("Content-Type"))
+			assert.Contains(t, body, ProblemResponseNotStored)
+		})
+	}
+}
+
 // Write and WriteString record and pass through the same bytes, whether the
 // response is held back, streamed after a flush, or larger than the limit
 // (10 bytes here), and return the same counts.
