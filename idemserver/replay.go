@@ -321,18 +321,22 @@ func (c *recorder) startStreaming() {
 // finish completes a response the handler left without a status, and
 // adds Content-Length to the recorded fields of a response to be stored.
 //
-// A response known to be cut is stored without its body, as one too large
-// to store is: a streamed one whose write to the client failed (the client
-// went away; the handler was told, and may have stopped short of the
-// body's end, so a replay of what it wrote could pass a cut body off as
-// whole), and one shorter than the Content-Length the handler declared
+// A response that may be cut is stored without its body, as one too large
+// to store is: one shorter than the Content-Length the handler declared
 // (net/http cuts the connection after it, and every replay would be cut
-// too).
+// too), and a streamed one without a declared length whose write or flush
+// to the client failed (the client went away; the handler was told, and
+// may have stopped short of the body's end, so a replay of what it wrote
+// could pass a cut body off as whole). A body that filled its declared
+// length is whole however its delivery went: a client may even have had
+// all of it before a last flush failed (over HTTP/2, one that closes the
+// body once it has read its length resets the stream), and a replay is
+// that answer.
 func (c *recorder) finish() {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
 	}
-	if c.err != nil || c.unwritten > 0 && bodyAllowed(c.status) {
+	if c.err != nil && c.unwritten < 0 || c.unwritten > 0 && bodyAllowed(c.status) {
 		c.tooLarge = true
 	}
 	c.length[0] = strconv.Itoa(len(c.body))
