@@ -546,7 +546,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: http.StatusServiceUnavailable, Err: errors.Join(cause, err), Evictions: claim.Evictions})
 		return false
 	}
-	rec.finish()
+	rec.finish(r.Method == http.MethodHead)
 
 	if rec.releases {
 		err := m.release(storeCtx, key, token, leaseEnd)

@@ -1020,6 +1020,26 @@ func TestWriteShortOfDeclaredContentLength(t *testing.T) {
 	}
 }
 
+// A response to HEAD declares the length of a body it does not send, as
+// http.ServeContent's does: net/http sends it whole, and so must a replay,
+// with the same fields, not a problem for a body cut short.
+func TestHeadDeclaresLengthWithoutBody(t *testing.T) {
+	srv := httptest.NewServer(Middleware(nil, WithMethods(http.MethodHead))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain")
+		w.Header().Set("Content-Length", "11")
+		w.WriteHeader(http.StatusOK)
+	})))
+	defer srv.Close()
+	first, _ := sendKeyed(t, srv.Client(), http.MethodHead, srv.URL, "k")
+	assert.Equal(t, http.StatusOK, first.StatusCode)
+	assert.Equal(t, int64(11), first.ContentLength)
+	replay, _ := sendKeyed(t, srv.Client(), http.MethodHead, srv.URL, "k")
+	assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+	assert.Equal(t, http.StatusOK, replay.StatusCode)
+	assert.Equal(t, "text/plain", replay.Header.Get("Content-Type"))
+	assert.Equal(t, int64(11), replay.ContentLength)
+}
+
 // A Write refused for passing the declared Content-Length leaves the body
 // as long as it was, and it was short of that length unless the writes
 // before it had filled it: net/http sends it cut, and so must a replay
