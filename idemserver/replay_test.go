@@ -646,8 +646,23 @@ func postKeyed(t *testing.T, client *http.Client, url, key string) (*http.Respon
 	return sendKeyed(t, client, http.MethodPost, url, key)
 }
 
+// postKeyedRead is postKeyed for a response whose body may be cut: it
+// returns the error reading the body ended with.
+func postKeyedRead(t *testing.T, client *http.Client, url, key string) (*http.Response, string, error) {
+	t.Helper()
+	return sendKeyedRead(t, client, http.MethodPost, url, key)
+}
+
 // sendKeyed is postKeyed with another method.
 func sendKeyed(t *testing.T, client *http.Client, method, url, key string) (*http.Response, string) {
+	t.Helper()
+	resp, body, err := sendKeyedRead(t, client, method, url, key)
+	require.NoError(t, err)
+	return resp, body
+}
+
+// sendKeyedRead is postKeyedRead with another method.
+func sendKeyedRead(t *testing.T, client *http.Client, method, url, key string) (*http.Response, string, error) {
 	t.Helper()
 	req, err := http.NewRequestWithContext(t.Context(), method, url, strings.NewReader("b"))
 	require.NoError(t, err)
@@ -656,8 +671,7 @@ func sendKeyed(t *testing.T, client *http.Client, method, url, key string) (*htt
 	require.NoError(t, err)
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	return resp, string(body)
+	return resp, string(body), err
 }
 
 // A handler may keep the map w.Header() returned before WriteHeader, which
@@ -994,16 +1008,7 @@ func TestWriteShortOfDeclaredContentLength(t *testing.T) {
 				_, _ = io.WriteString(w, "hello")
 			})))
 			defer srv.Close()
-			send := func() (*http.Response, string, error) {
-				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
-				require.NoError(t, err)
-				req.Header.Set(DefaultKeyHeader, "k")
-				resp, err := srv.Client().Do(req)
-				require.NoError(t, err)
-				defer resp.Body.Close()
-				body, err := io.ReadAll(resp.Body)
-				return resp, string(body), err
-			}
+			send := func() (*http.Response, string, error) { return postKeyedRead(t, srv.Client(), srv.URL, "k") }
 			first, body, err := send()
 			assert.ErrorIs(t, err, io.ErrUnexpectedEOF, "net/http cuts the first response")
 			assert.Equal(t, http.StatusCreated, first.StatusCode)
@@ -1069,16 +1074,7 @@ func TestWritePastDeclaredContentLengthAfterShortBody(t *testing.T) {
 				}
 			})))
 			defer srv.Close()
-			send := func() (*http.Response, string, error) {
-				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
-				require.NoError(t, err)
-				req.Header.Set(DefaultKeyHeader, "k")
-				resp, err := srv.Client().Do(req)
-				require.NoError(t, err)
-				defer resp.Body.Close()
-				body, err := io.ReadAll(resp.Body)
-				return resp, string(body), err
-			}
+			send := func() (*http.Response, string, error) { return postKeyedRead(t, srv.Client(), srv.URL, "k") }
 			first, firstBody, err := send()
 			assert.ErrorIs(t, errs[len(errs)-1], http.ErrContentLength)
 			assert.Equal(t, http.StatusCreated, first.StatusCode)
