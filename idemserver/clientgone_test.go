@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -246,4 +247,73 @@ func TestStreamCutByClientOverConnection(t *testing.T) {
 	assert.Equal(t, http.StatusCreated, replay.StatusCode)
 	assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
 	assert.True(t, strings.Contains(body, ProblemResponseNotStored), "a cut body is replayed as whole: %d bytes: %.300q", len(body), body)
+}
+
+// A client that has the whole of a body whose length was declared may
+// close it before the stream ends: over HTTP/2 that resets the stream, and
+// a flush the handler makes after its last write then fails. The client
+// got the whole response, and the handler had written all of it: the body
+// is stored, and a replay is the same answer. Without a declared length,
+// no client has the whole body before the stream ends, and a failed flush
+// still keeps it from being stored.
+func TestFlushFailsAfterWholeDeclaredBody(t *testing.T) {
+	for _, declared := range []bool{true, false} {
+		t.Run("declared "+strconv.FormatBool(declared), func(t *testing.T) {
+			body := strings.Repeat("x", 10<<10)
+			read := make(chan struct{})
+			var flushErr error
+			events := make(chan Event, 2)
+			srv := httptest.NewUnstartedServer(Middleware(nil, WithObserver(func(e Event) { events <- e }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					if declared {
+						w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+					}
+					w.Header().Set("Content-Type", "text/plain")
+					w.WriteHeader(http.StatusCreated)
+					_, _ = io.WriteString(w, body)
+					rc := http.NewResponseController(w)
+					if err := rc.Flush(); err != nil {
+						flushErr = err
+						return
+					}
+					<-read
+					<-r.Context().Done() // the client reset the stream
+					// The server cancels the request's context a moment
+					// before it fails the stream's writes.
+					for range 10000 {
+						if flushErr = rc.Flush(); flushErr != nil {
+							return
+						}
+						time.Sleep(time.Millisecond)
+					}
+				})))
+			srv.EnableHTTP2 = true
+			srv.StartTLS()
+			defer srv.Close()
+
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
+			require.NoError(t, err)
+			req.Header.Set(DefaultKeyHeader, "k")
+			resp, err := srv.Client().Do(req)
+			require.NoError(t, err)
+			require.Equal(t, 2, resp.ProtoMajor)
+			got := make([]byte, len(body))
+			_, err = io.ReadFull(resp.Body, got)
+			require.NoError(t, err)
+			require.NoError(t, resp.Body.Close()) // resets the stream, which has not ended
+			close(read)
+			assert.Equal(t, OutcomeExecuted, (<-events).Outcome)
+			require.Error(t, flushErr, "the handler's last flush failed")
+
+			replay, replayBody := postKeyed(t, srv.Client(), srv.URL, "k")
+			assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, http.StatusCreated, replay.StatusCode)
+			if declared {
+				assert.Equal(t, "text/plain", replay.Header.Get("Content-Type"))
+				assert.True(t, replayBody == string(got), "the replay is the answer the client got, not %.200q", replayBody)
+				return
+			}
+			assert.Contains(t, replayBody, ProblemResponseNotStored)
+		})
+	}
 }

@@ -100,7 +100,9 @@ import (
 // (the client went away), the handler learns it and may stop short of the
 // end of its body, so the response is stored without its body, as one
 // larger than [WithMaxResponseBytes] is: a replay carries its status and
-// header fields and a problem of type [ProblemResponseNotStored]. A
+// header fields and a problem of type [ProblemResponseNotStored]. A body
+// that filled the Content-Length the handler declared is whole, and
+// stored, however its delivery went. A
 // store that implements [ResponseHolder] turns streaming off: then nothing
 // reaches the client before Complete returns, however large the response.
 // An informational (1xx) response, such as 103 Early Hints, goes to the
@@ -544,7 +546,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Status: http.StatusServiceUnavailable, Err: errors.Join(cause, err), Evictions: claim.Evictions})
 		return false
 	}
-	rec.finish()
+	rec.finish(r.Method == http.MethodHead)
 
 	if rec.releases {
 		err := m.release(storeCtx, key, token, leaseEnd)

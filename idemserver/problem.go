@@ -53,8 +53,9 @@ const (
 	// ProblemResponseNotStored (replayed with the original status): the
 	// request with this key was processed, but its response body was not
 	// kept: it was too large (see [WithMaxResponseBytes]), it was
-	// streamed and its first client went away before it had all of it, or
-	// it was shorter than the Content-Length the handler declared.
+	// streamed without a Content-Length and its first client went away
+	// before it had all of it, or it was shorter than the Content-Length
+	// the handler declared.
 	ProblemResponseNotStored = problemBase + "ProblemResponseNotStored"
 )
 

@@ -63,7 +63,9 @@ type recorder struct {
 	sentEnd  int
 	length   [1]string // the body's length, once finished, as a field value
 	// unwritten is how many more bytes the body may have by the
-	// Content-Length the handler declared, or -1 if it declared none.
+	// Content-Length the handler declared, noLength if it declared none,
+	// or cutShort once a Write past it was refused before the body had
+	// filled it.
 	unwritten int64
 	body      []byte
 	err       error
@@ -74,7 +76,7 @@ type recorder struct {
 	wroteHeader bool
 	releases    bool // the response ends the claim by releasing it; see ReleasesResponse
 	streaming   bool // status and headers have gone to the client
-	tooLarge    bool // the body is not stored: it passed the limit, or a write to the client failed; see finish
+	tooLarge    bool // the body is not stored: it passed the limit, or is cut; see finish
 	hold        bool // never let the response through early; see ResponseHolder
 	http1       bool // the client speaks HTTP/1; see unsniffed
 }
@@ -149,15 +151,21 @@ func (c *recorder) WriteHeader(code int) {
 	}
 }
 
+// The values of recorder.unwritten that are not a count of bytes.
+const (
+	noLength = -1 // no Content-Length was declared
+	cutShort = -2 // a Write was refused before the body filled its length
+)
+
 // declaredLength returns the Content-Length declared in h, as net/http
-// reads it at WriteHeader, or -1 if there is none it takes as one.
+// reads it at WriteHeader, or noLength if there is none it takes as one.
 func declaredLength(h http.Header) int64 {
 	if cl := h.Get("Content-Length"); cl != "" {
 		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n >= 0 {
 			return n
 		}
 	}
-	return -1
+	return noLength
 }
 
 // unsniffed reports whether net/http sends the response whose fields are h
@@ -201,11 +209,15 @@ func write[T []byte | string](c *recorder, p T) (int, error) {
 	if !bodyAllowed(c.status) {
 		return 0, http.ErrBodyNotAllowed
 	}
-	if c.unwritten >= 0 {
+	if c.unwritten != noLength {
 		// net/http would refuse p, and so send a body that a replay of
-		// one recorded with p would not match.
+		// one recorded with p would not match. It refuses every later
+		// write too (as this does: no p is shorter than cutShort), so a
+		// body short of the declared length stays short.
 		if int64(len(p)) > c.unwritten {
-			c.unwritten = 0
+			if c.unwritten > 0 {
+				c.unwritten = cutShort
+			}
 			return 0, http.ErrContentLength
 		}
 		c.unwritten -= int64(len(p))
@@ -316,19 +328,26 @@ func (c *recorder) startStreaming() {
 
 // finish completes a response the handler left without a status, and
 // adds Content-Length to the recorded fields of a response to be stored.
+// head says that it answers a HEAD request, whose body no client gets.
 //
-// A response known to be cut is stored without its body, as one too large
-// to store is: a streamed one whose write to the client failed (the client
-// went away; the handler was told, and may have stopped short of the
-// body's end, so a replay of what it wrote could pass a cut body off as
-// whole), and one shorter than the Content-Length the handler declared
+// A response that may be cut is stored without its body, as one too large
+// to store is: one shorter than the Content-Length the handler declared
 // (net/http cuts the connection after it, and every replay would be cut
-// too).
-func (c *recorder) finish() {
+// too), and a streamed one without a declared length whose write or flush
+// to the client failed (the client went away; the handler was told, and
+// may have stopped short of the body's end, so a replay of what it wrote
+// could pass a cut body off as whole). A body that filled its declared
+// length is whole however its delivery went: a client may even have had
+// all of it before a last flush failed (over HTTP/2, one that closes the
+// body once it has read its length resets the stream), and a replay is
+// that answer. A response to HEAD declares the length of a body it does
+// not send, and is whole without it.
+func (c *recorder) finish(head bool) {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)
 	}
-	if c.err != nil || c.unwritten > 0 && bodyAllowed(c.status) {
+	short := c.unwritten > 0 || c.unwritten == cutShort
+	if !head && (short && bodyAllowed(c.status) || c.err != nil && c.unwritten == noLength) {
 		c.tooLarge = true
 	}
 	c.length[0] = strconv.Itoa(len(c.body))

@@ -646,8 +646,23 @@ func postKeyed(t *testing.T, client *http.Client, url, key string) (*http.Respon
 	return sendKeyed(t, client, http.MethodPost, url, key)
 }
 
+// postKeyedRead is postKeyed for a response whose body may be cut: it
+// returns the error reading the body ended with.
+func postKeyedRead(t *testing.T, client *http.Client, url, key string) (*http.Response, string, error) {
+	t.Helper()
+	return sendKeyedRead(t, client, http.MethodPost, url, key)
+}
+
 // sendKeyed is postKeyed with another method.
 func sendKeyed(t *testing.T, client *http.Client, method, url, key string) (*http.Response, string) {
+	t.Helper()
+	resp, body, err := sendKeyedRead(t, client, method, url, key)
+	require.NoError(t, err)
+	return resp, body
+}
+
+// sendKeyedRead is postKeyedRead with another method.
+func sendKeyedRead(t *testing.T, client *http.Client, method, url, key string) (*http.Response, string, error) {
 	t.Helper()
 	req, err := http.NewRequestWithContext(t.Context(), method, url, strings.NewReader("b"))
 	require.NoError(t, err)
@@ -656,8 +671,7 @@ func sendKeyed(t *testing.T, client *http.Client, method, url, key string) (*htt
 	require.NoError(t, err)
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	return resp, string(body)
+	return resp, string(body), err
 }
 
 // A handler may keep the map w.Header() returned before WriteHeader, which
@@ -994,16 +1008,7 @@ func TestWriteShortOfDeclaredContentLength(t *testing.T) {
 				_, _ = io.WriteString(w, "hello")
 			})))
 			defer srv.Close()
-			send := func() (*http.Response, string, error) {
-				req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("b"))
-				require.NoError(t, err)
-				req.Header.Set(DefaultKeyHeader, "k")
-				resp, err := srv.Client().Do(req)
-				require.NoError(t, err)
-				defer resp.Body.Close()
-				body, err := io.ReadAll(resp.Body)
-				return resp, string(body), err
-			}
+			send := func() (*http.Response, string, error) { return postKeyedRead(t, srv.Client(), srv.URL, "k") }
 			first, body, err := send()
 			assert.ErrorIs(t, err, io.ErrUnexpectedEOF, "net/http cuts the first response")
 			assert.Equal(t, http.StatusCreated, first.StatusCode)
@@ -1014,6 +1019,81 @@ func TestWriteShortOfDeclaredContentLength(t *testing.T) {
 			assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
 			assert.Equal(t, http.StatusCreated, replay.StatusCode)
 			assert.Equal(t, "/orders/1", replay.Header.Get("Location"))
+			assert.Equal(t, "application/problem+json", replay.Header.Get("Content-Type"))
+			assert.Contains(t, body, ProblemResponseNotStored)
+		})
+	}
+}
+
+// A response to HEAD declares the length of a body it does not send, as
+// http.ServeContent's does: net/http sends it whole, and so must a replay,
+// with the same fields, not a problem for a body cut short.
+func TestHeadDeclaresLengthWithoutBody(t *testing.T) {
+	srv := httptest.NewServer(Middleware(nil, WithMethods(http.MethodHead))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain")
+		w.Header().Set("Content-Length", "11")
+		w.WriteHeader(http.StatusOK)
+	})))
+	defer srv.Close()
+	first, _ := sendKeyed(t, srv.Client(), http.MethodHead, srv.URL, "k")
+	assert.Equal(t, http.StatusOK, first.StatusCode)
+	assert.Equal(t, int64(11), first.ContentLength)
+	replay, _ := sendKeyed(t, srv.Client(), http.MethodHead, srv.URL, "k")
+	assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+	assert.Equal(t, http.StatusOK, replay.StatusCode)
+	assert.Equal(t, "text/plain", replay.Header.Get("Content-Type"))
+	assert.Equal(t, int64(11), replay.ContentLength)
+}
+
+// A Write refused for passing the declared Content-Length leaves the body
+// as long as it was, and it was short of that length unless the writes
+// before it had filled it: net/http sends it cut, and so must a replay
+// not. A handler that answers with json.Encoder's trailing newline after
+// declaring the length of the JSON alone, or that writes a part of its
+// body before a part too long, was stored with its cut body, every replay
+// cut too; its body is not stored. One that wrote its whole body first is.
+func TestWritePastDeclaredContentLengthAfterShortBody(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		writes []string
+		whole  bool // the first client gets the whole body, and a replay too
+	}{
+		{"one write too long", []string{"{\"id\":1}\n"}, false},
+		{"part, then a part too long", []string{"{\"id", "\":1}\n"}, false},
+		{"whole body, then more", []string{"{\"id\":1}", "\n"}, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var errs []error
+			srv := httptest.NewServer(Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Location", "/orders/1")
+				w.Header().Set("Content-Length", strconv.Itoa(len(`{"id":1}`)))
+				w.WriteHeader(http.StatusCreated)
+				for _, s := range tt.writes {
+					_, err := io.WriteString(w, s)
+					errs = append(errs, err)
+				}
+			})))
+			defer srv.Close()
+			send := func() (*http.Response, string, error) { return postKeyedRead(t, srv.Client(), srv.URL, "k") }
+			first, firstBody, err := send()
+			assert.ErrorIs(t, errs[len(errs)-1], http.ErrContentLength)
+			assert.Equal(t, http.StatusCreated, first.StatusCode)
+			if tt.whole {
+				require.NoError(t, err)
+				assert.Equal(t, `{"id":1}`, firstBody)
+			} else {
+				assert.ErrorIs(t, err, io.ErrUnexpectedEOF, "net/http cuts the first response")
+			}
+
+			replay, body, err := send()
+			require.NoError(t, err, "the replay is whole")
+			assert.Equal(t, "true", replay.Header.Get(ReplayedHeader))
+			assert.Equal(t, http.StatusCreated, replay.StatusCode)
+			assert.Equal(t, "/orders/1", replay.Header.Get("Location"))
+			if tt.whole {
+				assert.Equal(t, firstBody, body)
+				return
+			}
 			assert.Equal(t, "application/problem+json", replay.Header.Get("Content-Type"))
 			assert.Contains(t, body, ProblemResponseNotStored)
 		})

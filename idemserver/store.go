@@ -208,8 +208,9 @@ type Response struct {
 	Body []byte
 	// BodyOmitted reports that the body was not stored: it was larger
 	// than the middleware's response limit, its stream to the first
-	// client broke, or it was shorter than its Content-Length. A replay then carries Status and a problem document of
-	// type [ProblemResponseNotStored] instead.
+	// client broke and it had no Content-Length, or it was shorter than
+	// its Content-Length. A replay then carries Status and a problem
+	// document of type [ProblemResponseNotStored] instead.
 	BodyOmitted bool
 }
 
