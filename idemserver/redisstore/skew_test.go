@@ -88,10 +88,12 @@ func TestInstanceAheadTakesNoLiveLease(t *testing.T) {
 			assert.EqualValues(t, 1, runs.Load(), "handler runs")
 			assert.Equal(t, http.StatusCreated, first.status)
 			assert.Equal(t, http.StatusServiceUnavailable, dup.status, "the duplicate: %s", dup.body)
+			assert.Contains(t, string(dup.body), "until its configuration is fixed", "the 503 says the store is misconfigured, not unreachable")
 			var disagree int
 			for _, ev := range seen.of("k") {
 				if errors.Is(ev.Err, redisstore.ErrClocksDisagree) {
 					disagree++
+					assert.ErrorIs(t, ev.Err, idemserver.ErrStoreMisconfigured)
 				}
 			}
 			assert.Equal(t, 1, disagree, "the observer is told the clocks disagree")

@@ -42,8 +42,10 @@ var ErrClockSkew = errors.New("redisstore: the middleware's clock is not the sto
 // its writer set, says it still has more than [MaxClockSkew] to run: the
 // clock of the instance that claims is ahead of the one that wrote the
 // record, or one of them was stepped. The store neither takes over the
-// lease, whose handler may still be running, nor forgets the record; the
-// middleware answers 503. Keep the clocks of the instances synchronized.
+// lease, whose handler may still be running, nor forgets the record. The
+// error wraps [idemserver.ErrStoreMisconfigured] too, so the middleware
+// answers 503 with Retry-After, saying the store refuses until its
+// configuration is fixed. Keep the clocks of the instances synchronized.
 var ErrClocksDisagree = errors.New("redisstore: the instances' clocks disagree")
 
 // Errors of the store. Use errors.Is to test for them.
@@ -281,8 +283,8 @@ func (s *Store) replace(ctx context.Context, key string, value []byte, ttl int64
 			if expiredToken != "" {
 				what = "lease ends"
 			}
-			return false, record{}, fmt.Errorf("%w: the record's time says it has ended at the claim's time, %v, but Redis says its %s in %v",
-				ErrClocksDisagree, now, what, left)
+			return false, record{}, fmt.Errorf("%w: the record's time says it has ended at the claim's time, %v, but Redis says its %s in %v; synchronize the instances' clocks (%w)",
+				ErrClocksDisagree, now, what, left, idemserver.ErrStoreMisconfigured)
 		}
 	case int64:
 		if r == 1 {
