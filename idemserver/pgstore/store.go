@@ -392,6 +392,15 @@ func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idems
 		case !r.token.Valid:
 			// The row of NULLs of a claim that inserted.
 			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
+		case !r.response.Valid && r.token.String == c.Token:
+			// This claim's own row: an insert or takeover of this claim
+			// whose answer was lost with its connection, after which
+			// database/sql sent the statement again on another (or, here,
+			// a run of the claim after a takeover that did the same).
+			// Tokens are new to each claim, so no other claim wrote it;
+			// taken for another's, it would hold the key, in progress,
+			// until its lease ended.
+			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
 		case r.expired():
 			// A completed record that expired counts as absent: replace
 			// it, unless someone else did first.
