@@ -48,47 +48,51 @@ func TestLeaseModeUnderEachIsolationLevel(t *testing.T) {
 		// write, with the token 'mine'.
 		row string
 		// run runs the store's statement, which waits for the other
-		// transaction's write, and checks its answer.
+		// transaction's write, and checks its answer (on a goroutine of
+		// its own: with assert, not require).
 		run func(t *testing.T, s *Store)
 	}
 	mine := idemserver.Key{Key: "k"}
+	// endedLease is a claim of 'mine' whose lease has ended.
+	const endedLease = `INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
+	VALUES ('', 'k', $1, 'mine', now() - interval '1 second', now() - interval '1 second')`
 	steps := []step{
 		{"claim of an expired record meets its replacement",
 			`INSERT INTO {table} (scope, key, fingerprint, token, expires_at, response, sweep_at)
 			VALUES ('', 'k', $1, 'mine', now() - interval '1 second', '\x01', now() - interval '1 second')`,
 			func(t *testing.T, s *Store) {
 				res, err := s.Claim(t.Context(), testClaim("k", time.Hour))
-				require.NoError(t, err)
+				if !assert.NoError(t, err) {
+					return
+				}
 				assert.False(t, res.Claimed, "the key was claimed by the other transaction")
 				assert.Equal(t, "other", res.Record.Token)
 			}},
 		{"takeover meets another takeover",
-			`INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
-			VALUES ('', 'k', $1, 'mine', now() - interval '1 second', now() - interval '1 second')`,
+			endedLease,
 			func(t *testing.T, s *Store) {
 				res, err := s.TakeOver(t.Context(), testClaim("k", time.Hour), "mine")
-				require.NoError(t, err)
+				if !assert.NoError(t, err) {
+					return
+				}
 				assert.False(t, res.Claimed, "the key was taken over by the other transaction")
 				assert.Equal(t, "other", res.Record.Token)
 			}},
 		{"complete meets a takeover",
-			`INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
-			VALUES ('', 'k', $1, 'mine', now() - interval '1 second', now() - interval '1 second')`,
+			endedLease,
 			func(t *testing.T, s *Store) {
 				err := s.Complete(t.Context(), mine, "mine", &idemserver.Response{Status: 201}, time.Now().Add(time.Hour))
-				require.ErrorIs(t, err, idemserver.ErrLeaseLost)
+				assert.ErrorIs(t, err, idemserver.ErrLeaseLost)
 			}},
 		{"extend meets a takeover",
-			`INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
-			VALUES ('', 'k', $1, 'mine', now() - interval '1 second', now() - interval '1 second')`,
+			endedLease,
 			func(t *testing.T, s *Store) {
-				require.ErrorIs(t, s.Extend(t.Context(), mine, "mine", time.Now().Add(time.Hour)), idemserver.ErrLeaseLost)
+				assert.ErrorIs(t, s.Extend(t.Context(), mine, "mine", time.Now().Add(time.Hour)), idemserver.ErrLeaseLost)
 			}},
 		{"release meets a takeover",
-			`INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
-			VALUES ('', 'k', $1, 'mine', now() - interval '1 second', now() - interval '1 second')`,
+			endedLease,
 			func(t *testing.T, s *Store) {
-				require.ErrorIs(t, s.Release(t.Context(), mine, "mine"), idemserver.ErrLeaseLost)
+				assert.ErrorIs(t, s.Release(t.Context(), mine, "mine"), idemserver.ErrLeaseLost)
 			}},
 	}
 	// The other instance's takeover, left uncommitted while the store's

@@ -271,16 +271,10 @@ func TestMigrateAfterAnotherInstanceUnderEachIsolationLevel(t *testing.T) {
 	// default isolation level, which a snapshot taken before the wait
 	// would keep from showing the new table's columns, so that the table
 	// would look like someone else's and the instance would fail to start.
-	for _, level := range []string{"read committed", "repeatable read", "serializable"} {
+	for _, level := range isolationLevels {
 		t.Run(level, func(t *testing.T) {
 			db := newTestDB(t, 4)
-			cfg, err := pgx.ParseConfig(db.dsn)
-			require.NoError(t, err)
-			cfg.RuntimeParams["search_path"] = db.schema
-			cfg.RuntimeParams["default_transaction_isolation"] = level
-			pool := stdlib.OpenDB(*cfg)
-			t.Cleanup(func() { _ = pool.Close() })
-			s, err := New(pool, WithTable("keys"))
+			s, err := New(db.openAtLevel(t, level), WithTable("keys"))
 			require.NoError(t, err)
 
 			// The other instance, holding the lock, as its Migrate does.
