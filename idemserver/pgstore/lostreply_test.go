@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -44,20 +45,9 @@ func TestCompleteWhoseReplyWasLost(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			db := newTestDB(t, 4)
-			table := db.newStore(t).table.name
-			cfg, err := pgx.ParseConfig(db.dsn)
-			require.NoError(t, err)
-			proxy := newCommitCutter(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), true)
+			store, proxy := proxiedStore(t, db, db.newStore(t).table.name)
 			proxy.cutAt = "update" // the complete; the claim is a WITH
 			proxy.answer = tt.answer
-			cfg.Host, cfg.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
-			cfg.RuntimeParams["search_path"] = db.schema
-			// Statements go as simple queries, which the proxy reads.
-			cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
-			pool := stdlib.OpenDB(*cfg)
-			t.Cleanup(func() { _ = pool.Close() })
-			store, err := New(pool, WithTable(table))
-			require.NoError(t, err)
 
 			var runs atomic.Int64
 			var events []idemserver.Event
@@ -92,6 +82,73 @@ func TestCompleteWhoseReplyWasLost(t *testing.T) {
 				assert.True(t, replayed)
 				assert.Equal(t, int64(i+1), runs.Load())
 			}
+		})
+	}
+}
+
+// proxiedStore returns a lease-mode store over table whose connections go
+// through a commitCutter, which it returns, armed by the caller: the
+// store's statements go as simple queries, which the proxy reads.
+func proxiedStore(t *testing.T, db *testDB, table string) (*Store, *commitCutter) {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(db.dsn)
+	require.NoError(t, err)
+	proxy := newCommitCutter(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), true)
+	cfg.Host, cfg.Port = "127.0.0.1", uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+	cfg.RuntimeParams["search_path"] = db.schema
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	pool := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { _ = pool.Close() })
+	store, err := New(pool, WithTable(table))
+	require.NoError(t, err)
+	return store, proxy
+}
+
+func TestClaimWhoseReplyWasLost(t *testing.T) {
+	// The server claims the key, and its answer is lost before it reaches
+	// the store: the connection is cut, and database/sql sends the claim
+	// again on another connection. The claim sent again finds the row its
+	// first run wrote, in progress under its own token, which no other
+	// claim has: it is this request's claim, and the handler runs. Taken
+	// for another request's claim, it would answer 409, and every retry
+	// would get 409 too, until the lease that no one holds ran out.
+	for _, tt := range []struct {
+		name string
+		row  string // the row of the key before the request, if any
+		cut  string // the statement whose answer is lost
+	}{
+		{"new key", "", "with"},
+		{"takeover of an ended lease", `INSERT INTO {table} (scope, key, fingerprint, token, expires_at, sweep_at)
+			VALUES ('', 'k', $1, 'dead', now() - interval '1 second', now() + interval '1 hour')`, "update"},
+		{"replacement of an expired record", `INSERT INTO {table} (scope, key, fingerprint, token, expires_at, response, sweep_at)
+			VALUES ('', 'k', $1, 'old', now() - interval '1 second', '\x01', now() + interval '1 hour')`, "update"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			store, proxy := proxiedStore(t, db, db.newStore(t).table.name)
+			proxy.cutAt = tt.cut
+			if tt.row != "" {
+				_, err := db.ExecContext(t.Context(), strings.ReplaceAll(tt.row, "{table}", store.table.quoted()), fingerprintOf("b"))
+				require.NoError(t, err)
+			}
+			var runs atomic.Int64
+			h := idemserver.Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs.Add(1)
+				w.WriteHeader(http.StatusCreated)
+				_, _ = io.WriteString(w, "created")
+			}))
+			proxy.armed.Store(true)
+			status, body, replayed := post(h, "k")
+			require.True(t, proxy.cut.Load(), "the claim went through the proxy")
+			assert.Equal(t, http.StatusCreated, status, body)
+			assert.False(t, replayed)
+			assert.Equal(t, int64(1), runs.Load())
+
+			status, body, replayed = post(h, "k")
+			assert.Equal(t, http.StatusCreated, status, body)
+			assert.Equal(t, "created", body)
+			assert.True(t, replayed)
+			assert.Equal(t, int64(1), runs.Load())
 		})
 	}
 }

@@ -281,7 +281,9 @@ const migrateLockTimeout = "10s"
 // is safe to run at every start, from several instances at once: an
 // advisory lock makes them take turns. A table of the store's name that
 // lacks one of the store's columns is someone else's: Migrate changes
-// nothing and returns an error that says so. Teams that run their own migrations can apply
+// nothing and returns an error that says so. So it does for a table whose
+// expires_at or sweep_at is a timestamp without a time zone, which each
+// session would read in its own TimeZone. Teams that run their own migrations can apply
 // the same SQL, shown in docs/pgstore.md, instead.
 func (s *Store) Migrate(ctx context.Context) error {
 	// Read committed, whatever the database's default: each statement
@@ -302,20 +304,31 @@ func (s *Store) Migrate(ctx context.Context) error {
 	// no sweep_at; a current one has sweep_at and its index. A table that
 	// lacks one of earlierColumns is not the store's, and is left alone.
 	var exists, hasSweepAt, hasIndex bool
-	var missing, schema sql.NullString
+	var missing, schema, zoneless sql.NullString
 	if err := tx.QueryRowContext(ctx, `SELECT
 	to_regclass($1) IS NOT NULL,
 	(SELECT nspname FROM pg_class JOIN pg_namespace ON pg_namespace.oid = relnamespace WHERE pg_class.oid = to_regclass($1)),
 	(SELECT string_agg(name, ', ') FROM unnest($3::text[]) AS name
 		WHERE NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = name AND NOT attisdropped)),
 	EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sweep_at' AND NOT attisdropped),
-	EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass($1) AND c.relname = $2)`,
-		s.table.quoted(), s.table.name+"_sweep_at", earlierColumns).Scan(&exists, &schema, &missing, &hasSweepAt, &hasIndex); err != nil {
+	EXISTS (SELECT FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass($1) AND c.relname = $2),
+	(SELECT string_agg(attname || ' is ' || format_type(atttypid, atttypmod), ', ' ORDER BY attnum) FROM pg_attribute
+		WHERE attrelid = to_regclass($1) AND attname IN ('expires_at', 'sweep_at') AND NOT attisdropped
+		AND atttypid <> 'timestamptz'::regtype)`,
+		s.table.quoted(), s.table.name+"_sweep_at", earlierColumns).Scan(&exists, &schema, &missing, &hasSweepAt, &hasIndex, &zoneless); err != nil {
 		return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
 	}
 	if exists && missing.Valid {
 		return fmt.Errorf("pgstore: migrate: %s exists and is not a store's table: it has no column %s; name another with WithTable",
 			s.table.quoted(), missing.String)
+	}
+	if zoneless.Valid {
+		// A timestamp without a time zone holds the wall-clock time of the
+		// session that wrote it, read back in the reader's TimeZone: an
+		// instance whose sessions have another would find live leases
+		// ended (and take them over) and records expired (and sweep them).
+		return fmt.Errorf("pgstore: migrate: in %s, %s, not timestamp with time zone: each session would read the times in its own TimeZone; "+
+			"alter the column to timestamptz, naming the zone its times were written in", s.table.quoted(), zoneless.String)
 	}
 	earlier, current := exists && !hasSweepAt, hasSweepAt && hasIndex
 	if current {

@@ -225,22 +225,56 @@ WHERE attrelid = '"idempotency_keys"'::regclass AND attnum > 0 AND NOT attisdrop
 	assert.Equal(t, []string{"theirs"}, keysIn(t, db, s))
 }
 
+func TestMigrateRefusesTimesWithoutATimeZone(t *testing.T) {
+	// A table made by hand whose expires_at or sweep_at is a timestamp
+	// without a time zone keeps the wall-clock time of the session that
+	// wrote it, and each session reads it in its own TimeZone: an instance
+	// whose sessions are in Tokyo finds a lease claimed from UTC ended
+	// eight hours ago, takes it over while its handler runs, and sweeps
+	// live records. Migrate refuses such a table, naming the columns, and
+	// changes nothing in it.
+	for _, tt := range []struct {
+		name, expiresAt, sweepAt, want string
+	}{
+		{"both", "timestamp", "timestamp", "expires_at is timestamp without time zone, sweep_at is timestamp without time zone"},
+		{"expires_at", "timestamp(3)", "timestamptz", "expires_at is timestamp(3) without time zone"},
+		{"sweep_at", "timestamptz", "timestamp", "sweep_at is timestamp without time zone"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			s, err := New(db.DB, WithTable("keys"))
+			require.NoError(t, err)
+			_, err = db.ExecContext(t.Context(), `CREATE TABLE keys (
+	scope bytea NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL, token text NOT NULL,
+	expires_at `+tt.expiresAt+` NOT NULL, response bytea, sweep_at `+tt.sweepAt+` NOT NULL DEFAULT 'infinity',
+	PRIMARY KEY (scope, key));
+CREATE INDEX keys_sweep_at ON keys (sweep_at)`)
+			require.NoError(t, err)
+			types := func() []string {
+				return queryStrings(t, db.DB, `SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+WHERE attrelid = 'keys'::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum`)
+			}
+			before := types()
+
+			err = s.Migrate(t.Context())
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), `"keys"`)
+			assert.Contains(t, err.Error(), tt.want)
+			assert.Equal(t, before, types(), "the columns' types")
+		})
+	}
+}
+
 func TestMigrateAfterAnotherInstanceUnderEachIsolationLevel(t *testing.T) {
 	// Migrate waits for its advisory lock while another instance creates
 	// the table, and then finds the table made: whatever the database's
 	// default isolation level, which a snapshot taken before the wait
 	// would keep from showing the new table's columns, so that the table
 	// would look like someone else's and the instance would fail to start.
-	for _, level := range []string{"read committed", "repeatable read", "serializable"} {
+	for _, level := range isolationLevels {
 		t.Run(level, func(t *testing.T) {
 			db := newTestDB(t, 4)
-			cfg, err := pgx.ParseConfig(db.dsn)
-			require.NoError(t, err)
-			cfg.RuntimeParams["search_path"] = db.schema
-			cfg.RuntimeParams["default_transaction_isolation"] = level
-			pool := stdlib.OpenDB(*cfg)
-			t.Cleanup(func() { _ = pool.Close() })
-			s, err := New(pool, WithTable("keys"))
+			s, err := New(db.openAtLevel(t, level), WithTable("keys"))
 			require.NoError(t, err)
 
 			// The other instance, holding the lock, as its Migrate does.

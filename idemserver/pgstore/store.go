@@ -392,6 +392,15 @@ func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idems
 		case !r.token.Valid:
 			// The row of NULLs of a claim that inserted.
 			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
+		case !r.response.Valid && r.token.String == c.Token:
+			// This claim's own row: an insert or takeover of this claim
+			// whose answer was lost with its connection, after which
+			// database/sql sent the statement again on another (or, here,
+			// a run of the claim after a takeover that did the same).
+			// Tokens are new to each claim, so no other claim wrote it;
+			// taken for another's, it would hold the key, in progress,
+			// until its lease ended.
+			return idemserver.ClaimResult{Claimed: true}, sql.NullString{}, nil
 		case r.expired():
 			// A completed record that expired counts as absent: replace
 			// it, unless someone else did first.
@@ -577,12 +586,27 @@ func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, le
 }
 
 // execRows runs a statement on q and returns the number of rows it changed.
+//
+// A statement on the pool, as each of lease mode is, runs in a transaction
+// of its own, at the database's default isolation level. Under read
+// committed, one that meets a row changed since its snapshot (taken over,
+// completed, swept) re-checks the row's latest version. Under repeatable
+// read or serializable it fails instead with a serialization failure
+// (SQLSTATE 40001), having changed nothing: it is run again then, with a
+// new snapshot that sees the change, so that the answer is the one read
+// committed gives (a lease lost, say), not an error. Each run after the
+// first follows another concurrent change; maxClaimRuns bounds them. In a
+// transaction, such a failure has aborted the transaction, and is returned.
 func execRows(ctx context.Context, q querier, query string, args ...any) (int64, error) {
-	res, err := q.ExecContext(ctx, query, args...)
-	if err != nil {
-		return 0, err
+	for run := 1; ; run++ {
+		res, err := q.ExecContext(ctx, query, args...)
+		if err == nil {
+			return res.RowsAffected()
+		}
+		if _, pool := q.(*sql.DB); !pool || !retryable(err) || run == maxClaimRuns {
+			return 0, err
+		}
 	}
-	return res.RowsAffected()
 }
 
 // leaseHeld returns nil if a compare-and-set on a lease token changed a

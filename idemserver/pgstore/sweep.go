@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 )
 
@@ -12,7 +13,10 @@ import (
 // lease is never touched.
 //
 // One call is one statement on the index of sweep_at, the time from which a
-// row may be swept, so its cost is bounded by limit. A row's sweep_at is
+// row may be swept, so its cost is bounded by limit. It runs in a
+// transaction at read committed, whatever the database's default, so that
+// sweeps running at once skip or re-check each other's rows rather than
+// fail with serialization failures. A row's sweep_at is
 // never before it expires, and may be later: a claim guesses its record's
 // retention (the last one Complete was given) so that its complete need not
 // change an indexed column, and a record kept for less, or a claim whose
@@ -34,7 +38,20 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 	if limit < 1 {
 		return 0, fmt.Errorf("pgstore: sweep limit %d; want at least 1", limit)
 	}
-	n, err := execRows(ctx, s.db, s.q.sweep, limit)
+	// Read committed, whatever the database's default: there a row that
+	// another sweep or a claim changed after the statement's snapshot is
+	// re-checked, or skipped while it is locked. Under repeatable read or
+	// serializable the statement would fail instead, and sweeps running
+	// at once would keep failing each other.
+	tx, err := s.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, fmt.Errorf("pgstore: sweep: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	n, err := execRows(ctx, tx, s.q.sweep, limit)
+	if err == nil {
+		err = tx.Commit()
+	}
 	if err != nil {
 		return 0, fmt.Errorf("pgstore: sweep: %w", err)
 	}
