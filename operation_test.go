@@ -115,7 +115,9 @@ func TestCanceledOperationStaysPending(t *testing.T) {
 func TestKeyStoreFailureSendsNothing(t *testing.T) {
 	srv := newServer(t, status(200))
 	boom := errors.New("disk full")
-	tr := NewTransport(newBaseTransport(t), WithKeyStore(&failingStore{err: boom}))
+	var logs bytes.Buffer
+	tr := NewTransport(newBaseTransport(t), WithKeyStore(&failingStore{err: boom}),
+		WithLogger(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))))
 
 	resp, err := tr.RoundTrip(post(t, WithOperation(context.Background(), "op"), srv.URL, "x"))
 
@@ -126,6 +128,8 @@ func TestKeyStoreFailureSendsNothing(t *testing.T) {
 	require.ErrorAs(t, err, &re)
 	assert.Zero(t, re.Attempts)
 	assert.Zero(t, srv.hits.Load())
+	assert.Contains(t, logs.String(), `level=WARN msg="idemhttp: no idempotency key, nothing sent"`)
+	assert.Contains(t, logs.String(), "disk full")
 }
 
 func TestCallerKeyIgnoresOperation(t *testing.T) {
