@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -230,4 +231,36 @@ func TestMemoryKeyStoreConcurrentAcquireAgrees(t *testing.T) {
 	for _, k := range keys {
 		assert.Equal(t, keys[0], k)
 	}
+}
+
+// A stale operation is only marked: the Transport still sends its key when
+// the operation is called again, as the documentation of WithStaleAfter
+// says, so that reconciling it is the caller's decision.
+func TestStaleOperationKeepsItsKey(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var keys []string
+		code := http.StatusServiceUnavailable
+		base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			keys = append(keys, r.Header.Get(DefaultKeyHeader))
+			return okResponse(r, code), nil
+		})
+		store := &MemoryKeyStore{StaleAfter: time.Hour}
+		tr := NewTransport(base, WithKeyStore(store), WithMaxAttempts(1))
+		ctx := WithOperation(context.Background(), "order-1")
+
+		resp := do(t, tr, post(t, ctx, "http://x.invalid", "x"))
+		resp.Body.Close()
+		time.Sleep(2 * time.Hour)
+		pending, err := store.Pending(context.Background())
+		require.NoError(t, err)
+		require.Len(t, pending, 1)
+		assert.True(t, pending[0].Stale)
+
+		code = http.StatusCreated
+		resp = do(t, tr, post(t, ctx, "http://x.invalid", "x"))
+		resp.Body.Close()
+		require.Len(t, keys, 2)
+		assert.Equal(t, keys[0], keys[1], "the stale key is sent again")
+		assert.Empty(t, pendingKeys(t, store))
+	})
 }
