@@ -133,12 +133,17 @@ func TestKeyStoreFailureSendsNothing(t *testing.T) {
 	assert.Contains(t, logs.String(), "disk full")
 }
 
+// A key the caller set is the caller's to keep: the KeyStore does not
+// record it, even when the outcome is not final and a key of the store's
+// would stay pending.
 func TestCallerKeyIgnoresOperation(t *testing.T) {
-	srv := newServer(t, status(200))
+	srv := newServer(t, status(503))
 	store := NewMemoryKeyStore()
 	req := post(t, WithOperation(context.Background(), "op"), srv.URL, "x")
 	req.Header.Set("Idempotency-Key", "caller-key")
-	do(t, NewTransport(newBaseTransport(t), WithKeyStore(store)), req)
+	resp := do(t, NewTransport(newBaseTransport(t), WithKeyStore(store), WithMaxAttempts(1)), req)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
 	assert.Equal(t, []string{"caller-key"}, srv.keys())
 	pending, _ := store.Pending(context.Background())
 	assert.Empty(t, pending)
