@@ -9,7 +9,9 @@ type operationKey struct{}
 // from the Transport's [KeyStore]: the pending key of id if there is one,
 // else a new key recorded before the first attempt is sent. Use one id per
 // business operation (an order number, a payment intent) and reuse it when
-// the operation is retried later or after a restart.
+// the operation is retried later or after a restart. A request whose key
+// header the caller set is sent with that key, and the KeyStore neither
+// records it nor lists the operation as pending: keeping it is the caller's.
 //
 // The key is released when the operation's final response has been
 // received: its body read to the end, or closed with no read of it failed

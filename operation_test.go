@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -115,7 +116,9 @@ func TestCanceledOperationStaysPending(t *testing.T) {
 func TestKeyStoreFailureSendsNothing(t *testing.T) {
 	srv := newServer(t, status(200))
 	boom := errors.New("disk full")
-	tr := NewTransport(newBaseTransport(t), WithKeyStore(&failingStore{err: boom}))
+	var logs bytes.Buffer
+	tr := NewTransport(newBaseTransport(t), WithKeyStore(&failingStore{err: boom}),
+		WithLogger(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))))
 
 	resp, err := tr.RoundTrip(post(t, WithOperation(context.Background(), "op"), srv.URL, "x"))
 
@@ -126,14 +129,21 @@ func TestKeyStoreFailureSendsNothing(t *testing.T) {
 	require.ErrorAs(t, err, &re)
 	assert.Zero(t, re.Attempts)
 	assert.Zero(t, srv.hits.Load())
+	assert.Contains(t, logs.String(), `level=WARN msg="idemhttp: no idempotency key, nothing sent"`)
+	assert.Contains(t, logs.String(), "disk full")
 }
 
+// A key the caller set is the caller's to keep: the KeyStore does not
+// record it, even when the outcome is not final and a key of the store's
+// would stay pending.
 func TestCallerKeyIgnoresOperation(t *testing.T) {
-	srv := newServer(t, status(200))
+	srv := newServer(t, status(503))
 	store := NewMemoryKeyStore()
 	req := post(t, WithOperation(context.Background(), "op"), srv.URL, "x")
 	req.Header.Set("Idempotency-Key", "caller-key")
-	do(t, NewTransport(newBaseTransport(t), WithKeyStore(store)), req)
+	resp := do(t, NewTransport(newBaseTransport(t), WithKeyStore(store), WithMaxAttempts(1)), req)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
 	assert.Equal(t, []string{"caller-key"}, srv.keys())
 	pending, _ := store.Pending(context.Background())
 	assert.Empty(t, pending)
@@ -226,4 +236,36 @@ func TestMemoryKeyStoreConcurrentAcquireAgrees(t *testing.T) {
 	for _, k := range keys {
 		assert.Equal(t, keys[0], k)
 	}
+}
+
+// A stale operation is only marked: the Transport still sends its key when
+// the operation is called again, as the documentation of WithStaleAfter
+// says, so that reconciling it is the caller's decision.
+func TestStaleOperationKeepsItsKey(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var keys []string
+		code := http.StatusServiceUnavailable
+		base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			keys = append(keys, r.Header.Get(DefaultKeyHeader))
+			return okResponse(r, code), nil
+		})
+		store := &MemoryKeyStore{StaleAfter: time.Hour}
+		tr := NewTransport(base, WithKeyStore(store), WithMaxAttempts(1))
+		ctx := WithOperation(context.Background(), "order-1")
+
+		resp := do(t, tr, post(t, ctx, "http://x.invalid", "x"))
+		resp.Body.Close()
+		time.Sleep(2 * time.Hour)
+		pending, err := store.Pending(context.Background())
+		require.NoError(t, err)
+		require.Len(t, pending, 1)
+		assert.True(t, pending[0].Stale)
+
+		code = http.StatusCreated
+		resp = do(t, tr, post(t, ctx, "http://x.invalid", "x"))
+		resp.Body.Close()
+		require.Len(t, keys, 2)
+		assert.Equal(t, keys[0], keys[1], "the stale key is sent again")
+		assert.Empty(t, pendingKeys(t, store))
+	})
 }

@@ -141,8 +141,11 @@ func WithKeyGenerator(newKey func() (string, error)) Option {
 	return func(c *config) { c.newKey = newKey }
 }
 
-// WithLogger sets a logger for the Transport's decisions: retries at Debug
-// level, give-ups at Warn. Nil (the default) logs nothing.
+// WithLogger sets a logger for the Transport's decisions: retries, and
+// requests refused by an open circuit breaker, at Debug level; give-ups at
+// Warn; a host's breaker opening at Warn and its other state changes at Info;
+// and, at Warn, a key that the KeyStore could not record (nothing is sent) or
+// forget. Nil (the default) logs nothing.
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) { c.logger = l }
 }

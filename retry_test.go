@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"testing/synctest"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -259,6 +261,35 @@ func TestAttemptTimeoutIsRetried(t *testing.T) {
 	require.NoError(t, err)
 	resp.Body.Close()
 	assert.Equal(t, 2, calls)
+}
+
+// WithAttemptTimeout bounds the attempt through the reading of its
+// response body too: a body that stalls after the header fails once the
+// attempt's time is up, and the operation's key stays pending, since the
+// outcome never reached the caller whole.
+func TestAttemptTimeoutBoundsTheResponseBody(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			resp := okResponse(r, 200)
+			resp.Body = io.NopCloser(readerFunc(func([]byte) (int, error) {
+				<-r.Context().Done() // the body stalls until the attempt ends
+				return 0, r.Context().Err()
+			}))
+			return resp, nil
+		})
+		store := NewMemoryKeyStore()
+		tr := NewTransport(base, WithKeyStore(store), WithAttemptTimeout(time.Second))
+		start := time.Now()
+
+		resp, err := tr.RoundTrip(post(t, WithOperation(context.Background(), "op"), "http://x.invalid", "x"))
+		require.NoError(t, err)
+		_, err = io.ReadAll(resp.Body)
+		resp.Body.Close()
+
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		assert.Equal(t, time.Second, time.Since(start))
+		assert.Len(t, pendingKeys(t, store), 1)
+	})
 }
 
 func TestFinalErrorNamesAttempts(t *testing.T) {

@@ -279,3 +279,69 @@ func TestRequestBodyAnnouncedAtLargestLength(t *testing.T) {
 	assert.False(t, body.empty, "the body was read into an empty buffer")
 	assert.Zero(t, h.calls.Load())
 }
+
+func TestDefaultLimits(t *testing.T) {
+	// The limits the documentation gives for a middleware without options:
+	// request and response bodies of 1 MiB, a Retry-After of one second.
+	require.EqualValues(t, 1<<20, DefaultMaxBodyBytes)
+	require.EqualValues(t, 1<<20, DefaultMaxResponseBytes)
+	mw := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if !assert.NoError(t, err) {
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write(body) // echoes the request: the response is as large
+	}))
+	for _, tt := range []struct {
+		name           string
+		request        int
+		status         int
+		problem        string
+		replayWithBody bool
+	}{
+		{"request and response at the limit", DefaultMaxBodyBytes, http.StatusCreated, "", true},
+		{"request over the limit", DefaultMaxBodyBytes + 1, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			key := fmt.Sprint("k-", tt.request)
+			body := strings.Repeat("a", tt.request)
+			w := serve(mw, newRequest(http.MethodPost, "/x", key, body))
+			if tt.problem != "" {
+				decodeProblem(t, w, tt.problem, tt.status)
+				return
+			}
+			require.Equal(t, tt.status, w.Code)
+			replay := serve(mw, newRequest(http.MethodPost, "/x", key, body))
+			require.Equal(t, tt.status, replay.Code)
+			assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
+			assert.Equal(t, body, replay.Body.String(), "replayed whole")
+		})
+	}
+	t.Run("response over the limit", func(t *testing.T) {
+		big := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte(strings.Repeat("b", DefaultMaxResponseBytes+1)))
+		}))
+		first := serve(big, newRequest(http.MethodPost, "/x", "k", ""))
+		require.Equal(t, http.StatusCreated, first.Code)
+		assert.Equal(t, DefaultMaxResponseBytes+1, first.Body.Len(), "the first client gets it all")
+		decodeProblem(t, serve(big, newRequest(http.MethodPost, "/x", "k", "")), ProblemResponseNotStored, http.StatusCreated)
+	})
+	t.Run("Retry-After", func(t *testing.T) {
+		release := make(chan struct{})
+		started := make(chan struct{})
+		slow := Middleware(nil)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			close(started)
+			<-release
+			w.WriteHeader(http.StatusCreated)
+		}))
+		done := serveAsync(slow, newRequest(http.MethodPost, "/x", "k", ""))
+		<-started
+		w := serve(slow, newRequest(http.MethodPost, "/x", "k", ""))
+		close(release)
+		decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+		assert.Equal(t, "1", w.Header().Get("Retry-After"))
+		assert.Equal(t, http.StatusCreated, (<-done).Code)
+	})
+}

@@ -675,3 +675,33 @@ func TestMemoryStoreExpiryIgnoresWallClockSteps(t *testing.T) {
 		})
 	}
 }
+
+func TestMemoryStoreDefaultsHoldTheDocumentedLoad(t *testing.T) {
+	// The documentation of the defaults (and the README) says what they
+	// hold: 1,000,000 records of 512 bytes, about 11 keyed requests a second
+	// for the default TTL, and 3 a second at 2 KiB; and WithMaxBytes says
+	// what a record counts, 160 bytes of it for its slot and index entries.
+	if unsafe.Sizeof(uintptr(0)) == 8 {
+		assert.EqualValues(t, 160, memRecordOverhead, "the figure WithMaxBytes states")
+	}
+	meet := DefaultMaxBytes / DefaultMaxEntries // the record size at which both bounds are reached
+	assert.True(t, meet >= 512 && meet < 576, "the bounds meet at about 512-byte records, not %d", meet)
+	perSecond := func(records int64) int64 { return records / int64(DefaultTTL/time.Second) }
+	assert.EqualValues(t, 11, perSecond(DefaultMaxEntries))
+	assert.EqualValues(t, 3, perSecond(DefaultMaxBytes/2048))
+
+	// A typical payment record, a UUIDv7 key and a JSON body of a few
+	// hundred bytes with its Content-Type, counts about 512 bytes.
+	ctx := t.Context()
+	now := newFakeClock().Now()
+	s := NewMemoryStore(WithShards(1))
+	c := Claim{Key: Key{Key: "01a2074e-7343-71c2-b3a1-d6aa355aab5f"}, Token: "01a2074e-7343-772f-8243-640dc50ea837", Now: now, LeaseExpires: now.Add(time.Minute)}
+	res, err := s.Claim(ctx, c)
+	require.NoError(t, err)
+	require.True(t, res.Claimed)
+	body := fmt.Sprintf(`{"id":"ch_%s","amount":100,"currency":"EUR","status":"succeeded","description":%q}`,
+		c.Key.Key, bytes.Repeat([]byte("x"), 200))
+	resp := &Response{Status: http.StatusCreated, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(body)}
+	require.NoError(t, s.Complete(ctx, c.Key, c.Token, resp, now.Add(DefaultTTL)))
+	assert.InDelta(t, 512, s.shards[0].bytes, 64, "a typical record")
+}

@@ -35,29 +35,34 @@ import (
 //
 // # One round trip
 //
-// Each method is one statement in a SQL database. Claim is an insert that
-// does nothing on conflict and reports the row that is there, for example
-// in PostgreSQL
+// Each method is one statement in a SQL database. Claim reads the key's
+// row, inserts one only if it found none, and reports which of the two
+// happened, for example in PostgreSQL
 //
-//	WITH ins AS (
+//	WITH cur AS (
+//	    SELECT fingerprint, token, expires_at, response FROM idempotency
+//	    WHERE scope = $1 AND key = $2
+//	), ins AS (
 //	    INSERT INTO idempotency (scope, key, fingerprint, token, expires_at)
-//	    VALUES ($1, $2, $3, $4, now() + $5)
+//	    SELECT $1, $2, $3, $4, now() + $5
+//	    WHERE NOT EXISTS (SELECT FROM cur)
 //	    ON CONFLICT (scope, key) DO NOTHING
 //	    RETURNING true AS claimed)
-//	SELECT claimed, NULL, NULL, NULL, NULL FROM ins
+//	SELECT true, NULL, NULL, NULL, NULL FROM ins
 //	UNION ALL
-//	SELECT false, fingerprint, token, expires_at, response
-//	FROM idempotency WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM ins)
+//	SELECT false, * FROM cur
 //
 // so that a replay only reads: ON CONFLICT DO UPDATE would lock and write
 // the existing row even when its WHERE clause is false. If a concurrent
-// claim committed after the statement took its snapshot, neither half
-// returns a row and the store runs the statement again. Only a row found
-// expired takes a second statement, an UPDATE that replaces it provided it
-// still holds the token that was read. TakeOver is that UPDATE, which also
-// requires the lease to have ended ("lease_expires <= now()"); Complete,
-// Release and Extend are an UPDATE, a DELETE and an UPDATE whose WHERE
-// clause names the lease token. Package idemserver/pgstore is such a store.
+// claim committed after the statement took its snapshot, the read misses
+// the row and the insert meets it, so no row comes back and the store runs
+// the statement again. Only a row found expired takes a second statement,
+// an UPDATE that replaces it provided it still holds the token that was
+// read. TakeOver is that UPDATE, which also requires the lease to have
+// ended ("expires_at <= now()"); Complete, Release and Extend are an
+// UPDATE, a DELETE and an UPDATE whose WHERE clause names the lease token.
+// Package idemserver/pgstore is such a store; docs/pgstore.md gives its
+// statements.
 //
 // # Transactions
 //

@@ -123,6 +123,47 @@ func TestInstanceAheadKeepsCompletedRecord(t *testing.T) {
 	assert.True(t, res.Record.Completed(), "the record is kept")
 }
 
+func TestClocksDisagreeBeyondTwiceMaxClockSkew(t *testing.T) {
+	// A claim whose clock says a completed record has ended replaces it
+	// while Redis gives the record at most 2×MaxClockSkew (10 s) more, the
+	// most by which the package documentation says a record is forgotten
+	// early, and is refused with ErrClocksDisagree beyond that. The record
+	// is completed as the middleware completes it, with its time, to be
+	// kept for left; the claim's clock is a second past that.
+	require.Equal(t, 5*time.Second, redisstore.MaxClockSkew)
+	for _, tt := range []struct {
+		left     time.Duration
+		disagree bool
+	}{
+		{8 * time.Second, false},
+		{12 * time.Second, true},
+	} {
+		t.Run(tt.left.String(), func(t *testing.T) {
+			f := newFixture(t)
+			ctx := t.Context()
+			c := claim("k", "holder", time.Minute)
+			mustClaim(t, f.store, c)
+			require.NoError(t, f.store.CompletePacked(ctx, idemserver.PackedCompletion{
+				Key: c.Key, Token: c.Token, Response: idemserver.PackResponse(&idemserver.Response{Status: http.StatusCreated}),
+				Now: c.Now, Expires: c.Now.Add(tt.left),
+			}))
+
+			ahead := tt.left + time.Second
+			later := claim("k", "later", time.Minute)
+			later.Now = later.Now.Add(ahead)
+			later.LeaseExpires = later.Now.Add(time.Minute)
+			res, err := aheadOf(f.client, f.prefix, ahead).Claim(ctx, later)
+			if tt.disagree {
+				require.ErrorIs(t, err, redisstore.ErrClocksDisagree)
+				assert.False(t, res.Claimed)
+				return
+			}
+			require.NoError(t, err)
+			assert.True(t, res.Claimed, "the record is replaced")
+		})
+	}
+}
+
 func TestHolderClockSteppedBackKeepsItsLease(t *testing.T) {
 	// The holder's clock steps back an hour mid-lease, and its next
 	// extension writes a lease end an hour before the other instances'

@@ -39,7 +39,7 @@ var ErrClockSkew = errors.New("redisstore: the middleware's clock is not the sto
 // ErrClocksDisagree is returned, wrapped, by Claim and TakeOver when the
 // claim's clock says a record has ended (the lease of one in progress, or
 // a completed one's expiry) while Redis, which counts down the durations
-// its writer set, says it still has more than [MaxClockSkew] to run: the
+// its writer set, says it still has more than twice [MaxClockSkew] to run: the
 // clock of the instance that claims is ahead of the one that wrote the
 // record, or one of them was stepped. The store neither takes over the
 // lease, whose handler may still be running, nor forgets the record. The
@@ -405,9 +405,11 @@ func decoded(claimed bool, r record, err error) (idemserver.ClaimResult, error) 
 }
 
 // Complete implements [idemserver.Store] in one round trip. The record
-// expires at expires, by the middleware's clock; in Redis, natively, as
-// long from now as expires is from now on the store's clock (see
-// [WithClock]). A record completed with an expiry already past is deleted.
+// expires at expires, by the middleware's clock; in Redis, natively,
+// MaxClockSkew after expires on the store's clock (see [WithClock]), which
+// may be that far behind the middleware's, so that Redis never drops the
+// record before the middleware's clock says it has ended. A record completed
+// with an expiry at least MaxClockSkew past on the store's clock is deleted.
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
 	if err := ctx.Err(); err != nil {
 		return err
