@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 )
@@ -65,4 +66,14 @@ func TestRequestAllocs(t *testing.T) {
 	assert.LessOrEqual(t, newKey, 6.0, "a new key")
 	replay := testing.AllocsPerRun(runs, func() { serveKey(keys[n-1]) })
 	assert.LessOrEqual(t, replay, 2.0, "a replay")
+}
+
+// TestClaimedRequestSize keeps a claimed request's one allocation in the
+// 768-byte size class: over 512 bytes, an object that holds pointers
+// carries an 8-byte header, and 769 to 896 bytes cost 128 more per request.
+func TestClaimedRequestSize(t *testing.T) {
+	if unsafe.Sizeof(uintptr(0)) != 8 {
+		t.Skip("sizes are for 64-bit platforms")
+	}
+	assert.LessOrEqual(t, unsafe.Sizeof(claimedRequest{}), uintptr(760))
 }

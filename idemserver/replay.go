@@ -58,9 +58,11 @@ type recorder struct {
 	// fields of the header map before the handler touched it (up to
 	// outerEnd), all of them at WriteHeader (up to sentEnd), and the
 	// replayable fields the handler set, to be stored (the rest).
-	fields   []byte
-	outerEnd int
-	sentEnd  int
+	fields []byte
+	// int32, to keep claimedRequest in its size class; packed fields
+	// never come near 2 GiB.
+	outerEnd int32
+	sentEnd  int32
 	length   [1]string // the body's length, once finished, as a field value
 	// unwritten is how many more bytes the body may have by the
 	// Content-Length the handler declared, noLength if it declared none,
@@ -69,8 +71,8 @@ type recorder struct {
 	unwritten int64
 	body      []byte
 	err       error
-	// The flags are together, so that the run's allocation of the
-	// recorder with the body reader stays in a smaller size class.
+	// The flags are together, so that claimedRequest stays in a smaller
+	// size class.
 	begun       bool // the outer fields are recorded
 	hasLength   bool // the stored fields include Content-Length
 	wroteHeader bool
@@ -93,7 +95,7 @@ func (c *recorder) begin() {
 	if h := c.w.Header(); len(h) > 0 {
 		c.fields = appendFields(c.fields, h)
 	}
-	c.outerEnd = len(c.fields)
+	c.outerEnd = int32(len(c.fields))
 }
 
 // resetHeader puts the client's header map back as it was before the
@@ -142,7 +144,7 @@ func (c *recorder) WriteHeader(code int) {
 	c.releases = ReleasesResponse(code, h)
 	c.unwritten = declaredLength(h)
 	c.fields = appendFields(c.fields[:c.outerEnd], h)
-	c.sentEnd = len(c.fields)
+	c.sentEnd = int32(len(c.fields))
 	if !c.releases {
 		c.fields, c.hasLength = appendReplayable(c.fields, h, c.allow, c.fields[:c.outerEnd])
 		if c.unsniffed(h) {
