@@ -371,12 +371,22 @@ func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idems
 	lease := c.LeaseExpires.Sub(c.Now)
 	args := []any{[]byte(c.Key.Scope), c.Key.Key, fp[:], c.Token, seconds(lease), s.sweepAfter(lease)}
 	var r row
+	// readCommitted is set once the statement failed with a serialization
+	// failure: the runs after it are at read committed (see execRows).
+	readCommitted := false
 	for run := 0; run < maxClaimRuns; run++ {
 		if run > 0 && s.testHookRerun != nil {
 			s.testHookRerun()
 		}
 		r = row{}
-		err := q.QueryRowContext(ctx, s.q.claim, args...).Scan(r.dest()...)
+		var err error
+		if db, pool := q.(*sql.DB); pool && readCommitted {
+			err = inReadCommitted(ctx, db, func(tx *sql.Tx) error {
+				return tx.QueryRowContext(ctx, s.q.claim, args...).Scan(r.dest()...)
+			})
+		} else {
+			err = q.QueryRowContext(ctx, s.q.claim, args...).Scan(r.dest()...)
+		}
 		switch {
 		case err == nil:
 		case errors.Is(err, sql.ErrNoRows):
@@ -384,6 +394,7 @@ func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idems
 			// snapshot: the insert saw it, the read did not.
 			continue
 		case retryable(err):
+			readCommitted = true
 			continue
 		default:
 			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: claim: %w", err)
@@ -592,21 +603,54 @@ func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, le
 // committed, one that meets a row changed since its snapshot (taken over,
 // completed, swept) re-checks the row's latest version. Under repeatable
 // read or serializable it fails instead with a serialization failure
-// (SQLSTATE 40001), having changed nothing: it is run again then, with a
-// new snapshot that sees the change, so that the answer is the one read
-// committed gives (a lease lost, say), not an error. Each run after the
-// first follows another concurrent change; maxClaimRuns bounds them. In a
-// transaction, such a failure has aborted the transaction, and is returned.
+// (SQLSTATE 40001), having changed nothing. Under serializable it may fail
+// so too without any change to its row: the database tracks what
+// concurrent transactions read coarsely (by index page, and by table once
+// it runs short of memory for finer locks), and a busy table gives such
+// false conflicts to statement after statement, however often each is run
+// again. So the statement is run again in a transaction begun at read
+// committed (three round trips: the BEGIN, the statement, the COMMIT),
+// which takes part in no such tracking and re-checks a changed row, so
+// that the answer is the one read committed gives (a lease lost, say), not
+// an error. Only a deadlock (40P01) makes it run yet again, at most
+// maxClaimRuns times in all. In a transaction, such a failure has aborted
+// the transaction, and is returned.
 func execRows(ctx context.Context, q querier, query string, args ...any) (int64, error) {
-	for run := 1; ; run++ {
-		res, err := q.ExecContext(ctx, query, args...)
-		if err == nil {
-			return res.RowsAffected()
-		}
-		if _, pool := q.(*sql.DB); !pool || !retryable(err) || run == maxClaimRuns {
-			return 0, err
+	res, err := q.ExecContext(ctx, query, args...)
+	if err == nil {
+		return res.RowsAffected()
+	}
+	db, pool := q.(*sql.DB)
+	if !pool || !retryable(err) {
+		return 0, err
+	}
+	for run := 2; ; run++ {
+		var n int64
+		err := inReadCommitted(ctx, db, func(tx *sql.Tx) error {
+			res, err := tx.ExecContext(ctx, query, args...)
+			if err == nil {
+				n, err = res.RowsAffected()
+			}
+			return err
+		})
+		if err == nil || !retryable(err) || run == maxClaimRuns {
+			return n, err
 		}
 	}
+}
+
+// inReadCommitted runs f in a transaction on db begun at read committed,
+// and commits it unless f fails.
+func inReadCommitted(ctx context.Context, db *sql.DB, f func(*sql.Tx) error) error {
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return err
+	}
+	if err := f(tx); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	return tx.Commit()
 }
 
 // leaseHeld returns nil if a compare-and-set on a lease token changed a

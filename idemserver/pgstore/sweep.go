@@ -43,15 +43,12 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 	// re-checked, or skipped while it is locked. Under repeatable read or
 	// serializable the statement would fail instead, and sweeps running
 	// at once would keep failing each other.
-	tx, err := s.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
-	if err != nil {
-		return 0, fmt.Errorf("pgstore: sweep: %w", err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	n, err := execRows(ctx, tx, s.q.sweep, limit)
-	if err == nil {
-		err = tx.Commit()
-	}
+	var n int64
+	err := inReadCommitted(ctx, s.db, func(tx *sql.Tx) error {
+		var err error
+		n, err = execRows(ctx, tx, s.q.sweep, limit)
+		return err
+	})
 	if err != nil {
 		return 0, fmt.Errorf("pgstore: sweep: %w", err)
 	}
