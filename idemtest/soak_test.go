@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemhttp/idemhttp"
+	"github.com/idemhttp/idemhttp/idemserver"
 	"github.com/idemhttp/idemhttp/idemtest"
 )
 
@@ -61,6 +62,7 @@ type soakConfig struct {
 	mode    readMode // readModes: each payment's mode from its index
 	// deadline, if set, bounds each call: the payer gives up on its own.
 	deadline time.Duration
+	server   []idemserver.Option // the middleware's options
 }
 
 // soakPayment is what the client saw of one payment, across its calls.
@@ -91,12 +93,16 @@ func TestSoakExactlyOnce(t *testing.T) {
 		from = n
 	}
 	configs := []soakConfig{
-		{"sequential/mixed reads", 1, readModes, 0},
-		{"concurrent/read all", 8, readAll, 0},
-		{"concurrent/close unread", 8, closeUnread, 0},
-		{"concurrent/read part", 8, readPart, 0},
-		{"concurrent/mixed reads", 8, readModes, 0},
-		{"concurrent/caller deadlines", 8, readModes, 30 * time.Millisecond},
+		{"sequential/mixed reads", 1, readModes, 0, nil},
+		{"concurrent/read all", 8, readAll, 0, nil},
+		{"concurrent/close unread", 8, closeUnread, 0, nil},
+		{"concurrent/read part", 8, readPart, 0, nil},
+		{"concurrent/mixed reads", 8, readModes, 0, nil},
+		{"concurrent/caller deadlines", 8, readModes, 30 * time.Millisecond, nil},
+		// Retries wait for the slow charge and get its replay, and its
+		// lease lasts only by being renewed.
+		{"concurrent/wait in flight, short lease", 8, readModes, 0,
+			[]idemserver.Option{idemserver.WithWaitInFlight(50 * time.Millisecond), idemserver.WithLease(100 * time.Millisecond)}},
 	}
 	for seed := from; seed < from+int64(seeds); seed++ {
 		for _, cfg := range configs {
@@ -138,7 +144,8 @@ func soak(t *testing.T, seed int64, cfg soakConfig) {
 		w.WriteHeader(http.StatusCreated)
 		_, _ = io.WriteString(w, receipt)
 	})
-	srv := idemtest.NewServer(charge, idemtest.WithSeed(seed), idemtest.WithFaults(soakFaults))
+	srv := idemtest.NewServer(charge, idemtest.WithSeed(seed), idemtest.WithFaults(soakFaults),
+		idemtest.WithMiddleware(cfg.server...))
 	defer srv.Close()
 
 	var statusMu sync.Mutex
