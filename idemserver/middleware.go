@@ -20,8 +20,8 @@ import (
 // handler at most once per key and replays the outcome to every retry. A nil
 // store means a new [MemoryStore] with its default limits.
 //
-// For a request whose method is keyed (POST and PATCH unless [WithMethods]
-// says otherwise) and that carries a key, the middleware reads the body (up
+// For a request whose method is keyed (POST and PATCH, in any case, unless
+// [WithMethods] says otherwise) and that carries a key, the middleware reads the body (up
 // to [WithMaxBodyBytes]; 413 beyond it), restores it for the handler, and
 // claims the key in the store with the request's fingerprint:
 //
@@ -249,7 +249,7 @@ type handler struct {
 
 func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	cfg := m.cfg
-	if !cfg.methods[r.Method] {
+	if !cfg.keyed(r.Method) {
 		m.next.ServeHTTP(w, r)
 		return
 	}

@@ -191,6 +191,10 @@ func TestUnkeyedMethodPassesThrough(t *testing.T) {
 		{"PUT by default", nil, http.MethodPut, false},
 		{"PUT when keyed", []Option{WithMethods("put")}, http.MethodPut, true},
 		{"POST when not keyed", []Option{WithMethods(http.MethodPut)}, http.MethodPost, false},
+		{"post in lower case", nil, "post", true},
+		{"patch in mixed case", nil, "Patch", true},
+		{"put in lower case when keyed", []Option{WithMethods(http.MethodPut)}, "put", true},
+		{"get in lower case", nil, "get", false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := &countingHandler{}
@@ -200,6 +204,29 @@ func TestUnkeyedMethodPassesThrough(t *testing.T) {
 			assertReplayed(t, tt.replays, w, h)
 		})
 	}
+}
+
+// TestKeyedMethodInAnyCase sends a keyed request whose method is spelled in
+// lower case, as a browser's fetch sends "patch" and as Go's client sends
+// whatever it is given, through a real server: net/http hands the method to
+// the handler as sent, and a handler that does not check it acts on it, so
+// the middleware must deduplicate it as it does PATCH.
+func TestKeyedMethodInAnyCase(t *testing.T) {
+	h := &countingHandler{}
+	srv := httptest.NewServer(Middleware(nil)(h))
+	defer srv.Close()
+	for i := range 2 {
+		req, err := http.NewRequest("patch", srv.URL+"/orders/1", strings.NewReader("b"))
+		require.NoError(t, err)
+		req.Header.Set(DefaultKeyHeader, "k")
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		require.NoError(t, resp.Body.Close())
+		assert.Equal(t, http.StatusCreated, resp.StatusCode)
+		assert.Equal(t, i == 1, resp.Header.Get(ReplayedHeader) == "true", "attempt %d replayed", i+1)
+	}
+	assert.Equal(t, int64(1), h.calls.Load(), "handler runs")
 }
 
 func TestFingerprintMismatch(t *testing.T) {
