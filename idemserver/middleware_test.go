@@ -6,6 +6,7 @@ import (
 	"maps"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -227,6 +228,39 @@ func TestKeyedMethodInAnyCase(t *testing.T) {
 		assert.Equal(t, i == 1, resp.Header.Get(ReplayedHeader) == "true", "attempt %d replayed", i+1)
 	}
 	assert.Equal(t, int64(1), h.calls.Load(), "handler runs")
+}
+
+// TestCustomKeyHeader sends keys in a header named by WithKeyHeader in lower
+// case, through a real server, spelled as a client might: net/http
+// canonicalises the name it receives, and the middleware the one it is given.
+func TestCustomKeyHeader(t *testing.T) {
+	h := &countingHandler{}
+	srv := httptest.NewServer(Middleware(nil, WithKeyHeader("x-request-key"))(h))
+	defer srv.Close()
+	for i, name := range []string{"x-request-key", "X-Request-Key", "X-REQUEST-KEY"} {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader("b"))
+		require.NoError(t, err)
+		req.Header[name] = []string{"k"} // sent as spelled
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		require.NoError(t, resp.Body.Close())
+		assert.Equal(t, http.StatusCreated, resp.StatusCode)
+		assert.Equal(t, i > 0, resp.Header.Get(ReplayedHeader) == "true", "%s replayed", name)
+	}
+	assert.Equal(t, int64(1), h.calls.Load(), "handler runs")
+}
+
+// TestInvalidKeyHeaderPanics checks that a key header name no request can
+// carry, such as one copied with its colon, is refused when the middleware
+// is made: it would otherwise pass every keyed request to the handler as
+// unkeyed, and so run each of its retries again, without a word.
+func TestInvalidKeyHeaderPanics(t *testing.T) {
+	for _, name := range []string{"Idempotency-Key:", "Idempotency-Key ", "Idempotency Key", "Idempotency-Kéy"} {
+		assert.PanicsWithValue(t, "idemserver: WithKeyHeader: "+strconv.Quote(name)+" is not a header field name",
+			func() { Middleware(nil, WithKeyHeader(name)) }, "%q", name)
+	}
+	assert.NotPanics(t, func() { Middleware(nil, WithKeyHeader("")) }, "the default")
 }
 
 func TestFingerprintMismatch(t *testing.T) {

@@ -154,12 +154,18 @@ func WithMaxHold(d time.Duration) Option {
 	}
 }
 
-// WithKeyHeader sets the name of the header field that carries the key.
-// An empty name means [DefaultKeyHeader].
+// WithKeyHeader sets the name of the header field that carries the key,
+// matched in any case. An empty name means [DefaultKeyHeader]. A name that
+// is not a field name (RFC 9110 token), which no request could carry and
+// which would let every keyed request through as one without a key, makes
+// [Middleware] panic.
 func WithKeyHeader(name string) Option {
 	return func(c *config) {
 		if name == "" {
 			name = DefaultKeyHeader
+		}
+		if !validFieldName(name) {
+			panic("idemserver: WithKeyHeader: " + strconv.Quote(name) + " is not a header field name")
 		}
 		c.header = http.CanonicalHeaderKey(name)
 	}
