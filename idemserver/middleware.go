@@ -21,9 +21,12 @@ import (
 // store means a new [MemoryStore] with its default limits.
 //
 // For a request whose method is keyed (POST and PATCH, in any case, unless
-// [WithMethods] says otherwise) and that carries a key, the middleware reads the body (up
-// to [WithMaxBodyBytes]; 413 beyond it), restores it for the handler, and
-// claims the key in the store with the request's fingerprint:
+// [WithMethods] says otherwise) and that carries a key, the middleware
+// reads the body (up to [WithMaxBodyBytes]; 413 beyond it), restores it for
+// the handler, and claims the key in the store with the request's
+// fingerprint: its method, path, query and body, and, when middleware in
+// front of this one parsed its form and so consumed its body, that form
+// (fields and files, within the same limit):
 //
 //   - Claimed: the handler runs, with the claimed key in its context (see
 //     [KeyFrom]). Its response is held back (see [WithMaxResponseBytes]
@@ -297,7 +300,21 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if body != nil {
 		bufs.reqBody = body
 	}
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, body)
+	var form []byte
+	if len(body) == 0 && (r.PostForm != nil || r.MultipartForm != nil) {
+		// A middleware in front parsed the form, and read its body.
+		form, err = parsedForm(r, cfg.maxBody)
+		switch {
+		case errors.Is(err, errBodyTooLarge):
+			m.reject(w, r, key, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge,
+				"a keyed request's form may be at most "+strconv.FormatInt(cfg.maxBody, 10)+" bytes", nil)
+			return
+		case err != nil:
+			m.reject(w, r, key, ProblemBodyUnreadable, http.StatusBadRequest, err.Error(), nil)
+			return
+		}
+	}
+	fp := fingerprintForm(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, body, form)
 	m.claim(w, r, key, fp, bufs)
 }
 
