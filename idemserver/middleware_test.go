@@ -567,6 +567,49 @@ func TestWaitInFlight(t *testing.T) {
 	}
 }
 
+// TestWaitInFlightAfterRelease has several requests wait for a first that
+// then fails with 500, which releases the key: one of the waiters claims it
+// and runs the handler, and the others wait on and replay its outcome, so
+// the handler acts once, for the one request that got an outcome.
+func TestWaitInFlightAfterRelease(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		release := make(chan struct{})
+		var calls atomic.Int64
+		mw := Middleware(nil, WithWaitInFlight(time.Minute))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if calls.Add(1) == 1 {
+				<-release
+				w.WriteHeader(http.StatusInternalServerError)
+				return
+			}
+			time.Sleep(time.Second)
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "done")
+		}))
+		first := make(chan *httptest.ResponseRecorder, 1)
+		go func() { first <- serve(mw, newRequest(http.MethodPost, "/x", "k", "b")) }()
+		synctest.Wait() // the first request holds the claim
+		var wg sync.WaitGroup
+		waiters := make([]*httptest.ResponseRecorder, 8)
+		for i := range waiters {
+			wg.Go(func() { waiters[i] = serve(mw, newRequest(http.MethodPost, "/x", "k", "b")) })
+		}
+		time.Sleep(time.Second) // every waiter polls
+		close(release)
+		wg.Wait()
+		assert.Equal(t, http.StatusInternalServerError, (<-first).Code)
+		replayed := 0
+		for _, w := range waiters {
+			assert.Equal(t, http.StatusCreated, w.Code, w.Body.String())
+			assert.Equal(t, "done", w.Body.String())
+			if w.Header().Get(ReplayedHeader) == "true" {
+				replayed++
+			}
+		}
+		assert.Equal(t, len(waiters)-1, replayed, "replays")
+		assert.Equal(t, int64(2), calls.Load(), "handler runs")
+	})
+}
+
 func TestObserver(t *testing.T) {
 	var events []Event
 	mw := Middleware(nil, RequireKey(), WithObserver(func(e Event) { events = append(events, e) }))(&countingHandler{})
