@@ -23,10 +23,13 @@ import (
 // For a request whose method is keyed (POST and PATCH, in any case, unless
 // [WithMethods] says otherwise) and that carries a key, the middleware
 // reads the body (up to [WithMaxBodyBytes]; 413 beyond it), restores it for
-// the handler, and claims the key in the store with the request's
-// fingerprint: its method, path, query and body, and, when middleware in
-// front of this one parsed its form and so consumed its body, that form
-// (fields and files, within the same limit):
+// the handler, and takes the request's fingerprint: its method, path, query
+// and body, and, when middleware in front of this one parsed its form and
+// so consumed its body, that form (fields and files, within the same
+// limit). Middleware in front that reads the body in any other way must
+// restore it: one it consumed reads as empty, and requests that differ only
+// in it share a fingerprint. Then it claims the key in the store with the
+// fingerprint:
 //
 //   - Claimed: the handler runs, with the claimed key in its context (see
 //     [KeyFrom]). Its response is held back (see [WithMaxResponseBytes]
