@@ -5,10 +5,17 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"io"
+	"maps"
+	"net/http"
+	"net/url"
+	"slices"
 )
 
 // A Fingerprint identifies the content of a request: a SHA-256 digest of its
-// method, path, query and body. Two requests that carry the same key must
+// method, path, query and body (or, for a body that middleware in front of
+// the idempotency middleware consumed by parsing it as a form, that form).
+// Two requests that carry the same key must
 // have the same fingerprint; otherwise the second is refused with 422.
 type Fingerprint [sha256.Size]byte
 
@@ -25,6 +32,15 @@ const fingerprintVersion = "idemserver fingerprint v1"
 // The path is the escaped path and the query the raw query, exactly as the
 // client sent them.
 func fingerprint(method, path, query string, body []byte) Fingerprint {
+	return fingerprintForm(method, path, query, body, nil)
+}
+
+// fingerprintForm is fingerprint for a request whose form was parsed in
+// front of the middleware (see parsedForm); form is nil for any other. The
+// form follows the body, after a name that says what it is, so a request
+// without one is encoded as fingerprint always encoded it, and none with
+// one shares its encoding.
+func fingerprintForm(method, path, query string, body, form []byte) Fingerprint {
 	// Small requests are encoded on the stack and hashed in one call.
 	var buf [1024]byte
 	b := appendField(buf[:0], fingerprintVersion)
@@ -32,12 +48,17 @@ func fingerprint(method, path, query string, body []byte) Fingerprint {
 	b = appendField(b, path)
 	b = appendField(b, query)
 	b = binary.BigEndian.AppendUint64(b, uint64(len(body)))
-	if len(b)+len(body) <= len(buf) {
+	if form == nil && len(b)+len(body) <= len(buf) {
 		return sha256.Sum256(append(b, body...))
 	}
 	h := sha256.New()
 	h.Write(bytes.Clone(b))
 	h.Write(body)
+	if form != nil {
+		h.Write(appendField(nil, "parsed form"))
+		h.Write(binary.BigEndian.AppendUint64(nil, uint64(len(form))))
+		h.Write(form)
+	}
 	var f Fingerprint
 	h.Sum(f[:0])
 	return f
@@ -46,4 +67,50 @@ func fingerprint(method, path, query string, body []byte) Fingerprint {
 func appendField(b []byte, s string) []byte {
 	b = binary.BigEndian.AppendUint64(b, uint64(len(s)))
 	return append(b, s...)
+}
+
+// parsedForm returns an encoding of the form of a request whose form a
+// middleware in front of this one parsed (CSRF middleware does, to find
+// its token), which consumes a form body: the middleware then reads no
+// body, and the handler reads the form from the request instead. The
+// encoding holds the fields the handler reads, sorted by name, and the
+// uploaded files, with their contents, so that two requests with different
+// forms do not share a fingerprint. It is nil for a request whose form was
+// not parsed or is empty, and fails with errBodyTooLarge past max bytes.
+func parsedForm(r *http.Request, max int64) ([]byte, error) {
+	if len(r.PostForm) == 0 && (r.MultipartForm == nil || len(r.MultipartForm.File) == 0) {
+		return nil, nil
+	}
+	b := appendField(nil, url.Values(r.PostForm).Encode())
+	if r.MultipartForm != nil {
+		files := r.MultipartForm.File
+		for _, name := range slices.Sorted(maps.Keys(files)) {
+			b = appendField(b, name)
+			b = binary.BigEndian.AppendUint64(b, uint64(len(files[name])))
+			for _, fh := range files[name] {
+				b = appendField(b, fh.Filename)
+				b = appendField(b, fh.Header.Get("Content-Type"))
+				b = binary.BigEndian.AppendUint64(b, uint64(fh.Size))
+				if int64(len(b))+fh.Size > max {
+					return nil, errBodyTooLarge
+				}
+				f, err := fh.Open()
+				if err != nil {
+					return nil, err
+				}
+				n := len(b)
+				b = slices.Grow(b, int(fh.Size))
+				m, err := io.ReadFull(f, b[n:n+int(fh.Size)])
+				_ = f.Close()
+				if err != nil {
+					return nil, err
+				}
+				b = b[:n+m]
+			}
+		}
+	}
+	if int64(len(b)) > max {
+		return nil, errBodyTooLarge
+	}
+	return b, nil
 }

@@ -20,10 +20,16 @@ import (
 // handler at most once per key and replays the outcome to every retry. A nil
 // store means a new [MemoryStore] with its default limits.
 //
-// For a request whose method is keyed (POST and PATCH unless [WithMethods]
-// says otherwise) and that carries a key, the middleware reads the body (up
-// to [WithMaxBodyBytes]; 413 beyond it), restores it for the handler, and
-// claims the key in the store with the request's fingerprint:
+// For a request whose method is keyed (POST and PATCH, in any case, unless
+// [WithMethods] says otherwise) and that carries a key, the middleware
+// reads the body (up to [WithMaxBodyBytes]; 413 beyond it), restores it for
+// the handler, and takes the request's fingerprint: its method, path, query
+// and body, and, when middleware in front of this one parsed its form and
+// so consumed its body, that form (fields and files, within the same
+// limit). Middleware in front that reads the body in any other way must
+// restore it: one it consumed reads as empty, and requests that differ only
+// in it share a fingerprint. Then it claims the key in the store with the
+// fingerprint:
 //
 //   - Claimed: the handler runs, with the claimed key in its context (see
 //     [KeyFrom]). Its response is held back (see [WithMaxResponseBytes]
@@ -249,7 +255,7 @@ type handler struct {
 
 func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	cfg := m.cfg
-	if !cfg.methods[r.Method] {
+	if !cfg.keyed(r.Method) {
 		m.next.ServeHTTP(w, r)
 		return
 	}
@@ -297,7 +303,21 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if body != nil {
 		bufs.reqBody = body
 	}
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, body)
+	var form []byte
+	if len(body) == 0 && (r.PostForm != nil || r.MultipartForm != nil) {
+		// A middleware in front parsed the form, and read its body.
+		form, err = parsedForm(r, cfg.maxBody)
+		switch {
+		case errors.Is(err, errBodyTooLarge):
+			m.reject(w, r, key, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge,
+				"a keyed request's form may be at most "+strconv.FormatInt(cfg.maxBody, 10)+" bytes", nil)
+			return
+		case err != nil:
+			m.reject(w, r, key, ProblemBodyUnreadable, http.StatusBadRequest, err.Error(), nil)
+			return
+		}
+	}
+	fp := fingerprintForm(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, body, form)
 	m.claim(w, r, key, fp, bufs)
 }
 

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -191,6 +192,10 @@ func TestUnkeyedMethodPassesThrough(t *testing.T) {
 		{"PUT by default", nil, http.MethodPut, false},
 		{"PUT when keyed", []Option{WithMethods("put")}, http.MethodPut, true},
 		{"POST when not keyed", []Option{WithMethods(http.MethodPut)}, http.MethodPost, false},
+		{"post in lower case", nil, "post", true},
+		{"patch in mixed case", nil, "Patch", true},
+		{"put in lower case when keyed", []Option{WithMethods(http.MethodPut)}, "put", true},
+		{"get in lower case", nil, "get", false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := &countingHandler{}
@@ -200,6 +205,62 @@ func TestUnkeyedMethodPassesThrough(t *testing.T) {
 			assertReplayed(t, tt.replays, w, h)
 		})
 	}
+}
+
+// TestKeyedMethodInAnyCase sends a keyed request whose method is spelled in
+// lower case, as a browser's fetch sends "patch" and as Go's client sends
+// whatever it is given, through a real server: net/http hands the method to
+// the handler as sent, and a handler that does not check it acts on it, so
+// the middleware must deduplicate it as it does PATCH.
+func TestKeyedMethodInAnyCase(t *testing.T) {
+	h := &countingHandler{}
+	srv := httptest.NewServer(Middleware(nil)(h))
+	defer srv.Close()
+	for i := range 2 {
+		req, err := http.NewRequest("patch", srv.URL+"/orders/1", strings.NewReader("b"))
+		require.NoError(t, err)
+		req.Header.Set(DefaultKeyHeader, "k")
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		require.NoError(t, resp.Body.Close())
+		assert.Equal(t, http.StatusCreated, resp.StatusCode)
+		assert.Equal(t, i == 1, resp.Header.Get(ReplayedHeader) == "true", "attempt %d replayed", i+1)
+	}
+	assert.Equal(t, int64(1), h.calls.Load(), "handler runs")
+}
+
+// TestCustomKeyHeader sends keys in a header named by WithKeyHeader in lower
+// case, through a real server, spelled as a client might: net/http
+// canonicalises the name it receives, and the middleware the one it is given.
+func TestCustomKeyHeader(t *testing.T) {
+	h := &countingHandler{}
+	srv := httptest.NewServer(Middleware(nil, WithKeyHeader("x-request-key"))(h))
+	defer srv.Close()
+	for i, name := range []string{"x-request-key", "X-Request-Key", "X-REQUEST-KEY"} {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader("b"))
+		require.NoError(t, err)
+		req.Header[name] = []string{"k"} // sent as spelled
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		require.NoError(t, resp.Body.Close())
+		assert.Equal(t, http.StatusCreated, resp.StatusCode)
+		assert.Equal(t, i > 0, resp.Header.Get(ReplayedHeader) == "true", "%s replayed", name)
+	}
+	assert.Equal(t, int64(1), h.calls.Load(), "handler runs")
+}
+
+// TestInvalidKeyHeaderPanics checks that a key header name no request can
+// carry, such as one copied with its colon, is refused when the middleware
+// is made: it would otherwise pass every keyed request to the handler as
+// unkeyed, and so run each of its retries again, without a word.
+func TestInvalidKeyHeaderPanics(t *testing.T) {
+	for _, name := range []string{"Idempotency-Key:", "Idempotency-Key ", "Idempotency Key", "Idempotency-Kéy"} {
+		assert.PanicsWithValue(t, "idemserver: WithKeyHeader: "+strconv.Quote(name)+" is not a header field name",
+			func() { Middleware(nil, WithKeyHeader(name)) }, "%q", name)
+	}
+	assert.NotPanics(t, func() { Middleware(nil, WithKeyHeader("")) }, "the default")
 }
 
 func TestFingerprintMismatch(t *testing.T) {
@@ -504,6 +565,49 @@ func TestWaitInFlight(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestWaitInFlightAfterRelease has several requests wait for a first that
+// then fails with 500, which releases the key: one of the waiters claims it
+// and runs the handler, and the others wait on and replay its outcome, so
+// the handler acts once, for the one request that got an outcome.
+func TestWaitInFlightAfterRelease(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		release := make(chan struct{})
+		var calls atomic.Int64
+		mw := Middleware(nil, WithWaitInFlight(time.Minute))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if calls.Add(1) == 1 {
+				<-release
+				w.WriteHeader(http.StatusInternalServerError)
+				return
+			}
+			time.Sleep(time.Second)
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "done")
+		}))
+		first := make(chan *httptest.ResponseRecorder, 1)
+		go func() { first <- serve(mw, newRequest(http.MethodPost, "/x", "k", "b")) }()
+		synctest.Wait() // the first request holds the claim
+		var wg sync.WaitGroup
+		waiters := make([]*httptest.ResponseRecorder, 8)
+		for i := range waiters {
+			wg.Go(func() { waiters[i] = serve(mw, newRequest(http.MethodPost, "/x", "k", "b")) })
+		}
+		time.Sleep(time.Second) // every waiter polls
+		close(release)
+		wg.Wait()
+		assert.Equal(t, http.StatusInternalServerError, (<-first).Code)
+		replayed := 0
+		for _, w := range waiters {
+			assert.Equal(t, http.StatusCreated, w.Code, w.Body.String())
+			assert.Equal(t, "done", w.Body.String())
+			if w.Header().Get(ReplayedHeader) == "true" {
+				replayed++
+			}
+		}
+		assert.Equal(t, len(waiters)-1, replayed, "replays")
+		assert.Equal(t, int64(2), calls.Load(), "handler runs")
+	})
 }
 
 func TestObserver(t *testing.T) {

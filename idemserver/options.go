@@ -154,12 +154,18 @@ func WithMaxHold(d time.Duration) Option {
 	}
 }
 
-// WithKeyHeader sets the name of the header field that carries the key.
-// An empty name means [DefaultKeyHeader].
+// WithKeyHeader sets the name of the header field that carries the key,
+// matched in any case. An empty name means [DefaultKeyHeader]. A name that
+// is not a field name (RFC 9110 token), which no request could carry and
+// which would let every keyed request through as one without a key, makes
+// [Middleware] panic.
 func WithKeyHeader(name string) Option {
 	return func(c *config) {
 		if name == "" {
 			name = DefaultKeyHeader
+		}
+		if !validFieldName(name) {
+			panic("idemserver: WithKeyHeader: " + strconv.Quote(name) + " is not a header field name")
 		}
 		c.header = http.CanonicalHeaderKey(name)
 	}
@@ -167,7 +173,10 @@ func WithKeyHeader(name string) Option {
 
 // WithMethods sets the methods whose requests are deduplicated; requests
 // with other methods go straight to the handler. The default is POST and
-// PATCH. Calling it with no methods restores the default.
+// PATCH. Calling it with no methods restores the default. Methods match in
+// any case: net/http hands a handler the method as the client spelled it
+// ("patch", as a browser's fetch sends it), and a handler that acts on it
+// must not run once for each retry.
 func WithMethods(methods ...string) Option {
 	return func(c *config) {
 		if len(methods) == 0 {
@@ -258,4 +267,19 @@ func WithClock(now func() time.Time) Option {
 // that panicked, before the panic goes on) and must not block.
 func WithObserver(observe func(Event)) Option {
 	return func(c *config) { c.observe = observe }
+}
+
+// keyed reports whether requests with method are deduplicated (see
+// [WithMethods]). The exact match comes first, so that a keyed method
+// spelled as usual costs one map lookup.
+func (c *config) keyed(method string) bool {
+	if c.methods[method] {
+		return true
+	}
+	for m := range c.methods {
+		if strings.EqualFold(m, method) {
+			return true
+		}
+	}
+	return false
 }
