@@ -212,12 +212,19 @@ func (b *responseBody) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
 	b.reading.Add(-1)
 	if err != nil && b.decided.CompareAndSwap(false, true) {
-		if err == io.EOF {
-			b.t.releaseKey(b.ctx, b.operation, b.key)
-		}
-		b.endFlight()
+		b.settle(err == io.EOF)
 	}
 	return n, err
+}
+
+// settle releases the key if release is set, then ends the operation's
+// flight, even if the KeyStore panics: a flight left open would refuse
+// every later call of the operation.
+func (b *responseBody) settle(release bool) {
+	defer b.endFlight()
+	if release {
+		b.t.releaseKey(b.ctx, b.operation, b.key)
+	}
 }
 
 func (b *responseBody) Close() error {
@@ -225,13 +232,15 @@ func (b *responseBody) Close() error {
 	// because of it: the key is kept.
 	decide := b.operation != "" && b.decided.CompareAndSwap(false, true)
 	release := decide && b.reading.Load() == 0
+	if decide {
+		// After the release, and even if the base body or the KeyStore
+		// panics (see settle).
+		defer b.endFlight()
+	}
 	err := b.ReadCloser.Close()
 	b.cancel()
 	if release {
 		b.t.releaseKey(b.ctx, b.operation, b.key)
-	}
-	if decide {
-		b.endFlight()
 	}
 	return err
 }

@@ -281,6 +281,21 @@ func TestOperationFlightEndsOnEveryPath(t *testing.T) {
 			func(t *testing.T, tr *Transport, inFlight func() bool) {
 				assert.Panics(t, func() { _, _ = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge")) })
 			}, false},
+		{"KeyStore's Release panics in the read that reaches the end", respond(200, body("paid")),
+			[]Option{WithKeyStore(releasePanicStore{NewMemoryKeyStore()})},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.True(t, inFlight())
+				assert.Panics(t, func() { _, _ = io.ReadAll(resp.Body) })
+			}, true},
+		{"KeyStore's Release panics in Close", respond(200, body("paid")),
+			[]Option{WithKeyStore(releasePanicStore{NewMemoryKeyStore()})},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.Panics(t, func() { resp.Body.Close() })
+			}, true},
 		{"base transport panics", func(*http.Request) (*http.Response, error) { panic("boom") }, nil,
 			func(t *testing.T, tr *Transport, inFlight func() bool) {
 				assert.Panics(t, func() { _, _ = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge")) })
@@ -334,6 +349,11 @@ func TestOperationFlightEndsOnEveryPath(t *testing.T) {
 		})
 	}
 }
+
+// releasePanicStore is a MemoryKeyStore whose Release panics.
+type releasePanicStore struct{ *MemoryKeyStore }
+
+func (releasePanicStore) Release(context.Context, string, string) error { panic("boom") }
 
 // cancelKey is the context key of a CancelFunc a fake base transport calls.
 type cancelKey struct{}
