@@ -81,6 +81,9 @@ const (
 	// ReasonKeyStore: no key could be made or recorded for the request (the
 	// key generator or the KeyStore failed), so nothing was sent.
 	ReasonKeyStore Reason = "key store failed"
+	// ReasonOperationInFlight: another call of the request's operation is
+	// in flight (see [WithOperation]); nothing was sent.
+	ReasonOperationInFlight Reason = "operation in flight"
 )
 
 // sentinel returns the exported error matching r, or nil when r is not a
@@ -99,6 +102,8 @@ func (r Reason) sentinel() error {
 		return ErrCircuitOpen
 	case ReasonKeyStore:
 		return ErrKeyStore
+	case ReasonOperationInFlight:
+		return ErrOperationInFlight
 	}
 	return nil
 }

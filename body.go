@@ -199,6 +199,9 @@ type responseBody struct {
 	operation, key string
 	reading        atomic.Int32 // Reads in progress
 	decided        atomic.Bool  // the key was released or is kept
+	// flight holds the operation's flight, which ends once the key's fate
+	// is decided, after its release (see flights).
+	flight *flights
 }
 
 func (b *responseBody) Read(p []byte) (int, error) {
@@ -208,22 +211,45 @@ func (b *responseBody) Read(p []byte) (int, error) {
 	b.reading.Add(1)
 	n, err := b.ReadCloser.Read(p)
 	b.reading.Add(-1)
-	if err != nil && b.decided.CompareAndSwap(false, true) && err == io.EOF {
-		b.t.releaseKey(b.ctx, b.operation, b.key)
+	if err != nil && b.decided.CompareAndSwap(false, true) {
+		b.settle(err == io.EOF)
 	}
 	return n, err
+}
+
+// settle releases the key if release is set, then ends the operation's
+// flight, even if the KeyStore panics: a flight left open would refuse
+// every later call of the operation.
+func (b *responseBody) settle(release bool) {
+	defer b.endFlight()
+	if release {
+		b.t.releaseKey(b.ctx, b.operation, b.key)
+	}
 }
 
 func (b *responseBody) Close() error {
 	// A Close while a Read is blocked decides before that Read fails
 	// because of it: the key is kept.
-	release := b.operation != "" && b.decided.CompareAndSwap(false, true) && b.reading.Load() == 0
+	decide := b.operation != "" && b.decided.CompareAndSwap(false, true)
+	release := decide && b.reading.Load() == 0
+	if decide {
+		// After the release, and even if the base body or the KeyStore
+		// panics (see settle).
+		defer b.endFlight()
+	}
 	err := b.ReadCloser.Close()
 	b.cancel()
 	if release {
 		b.t.releaseKey(b.ctx, b.operation, b.key)
 	}
 	return err
+}
+
+// endFlight ends the operation's flight, if the body holds it.
+func (b *responseBody) endFlight() {
+	if b.flight != nil {
+		b.flight.end(b.operation)
+	}
 }
 
 // bodyWatch notes whether a base transport read an attempt's request

@@ -22,6 +22,11 @@ var (
 	// ErrKeyStore: no idempotency key could be made or recorded for the
 	// request; nothing was sent.
 	ErrKeyStore = errors.New("idemhttp: no idempotency key")
+	// ErrOperationInFlight: another call of the same operation
+	// ([WithOperation]) is in flight through a Transport over the same
+	// [KeyStore]; nothing was sent, and the operation's key stays pending.
+	// The error names the operation.
+	ErrOperationInFlight = errors.New("idemhttp: operation already in flight")
 )
 
 // RetryError is the error a Transport returns when a request ends without a

@@ -155,6 +155,8 @@ type FileKeyStore struct {
 	compacting     chan struct{} // closed when the running compaction ends
 	compactRetryAt int64
 	compactions    int // completed, for tests
+
+	flights flights // the operations calls are sending
 }
 
 // queued describes a record waiting in FileKeyStore.queue.
@@ -438,6 +440,8 @@ func (s *FileKeyStore) Recovery() FileRecovery {
 
 // Path returns the path of the store file, with symbolic links resolved.
 func (s *FileKeyStore) Path() string { return s.path }
+
+func (s *FileKeyStore) operationFlights() *flights { return &s.flights }
 
 // Acquire implements [KeyStore]. It returns nil only once the key it
 // returns is on stable storage. candidate must be 1 to 1024 bytes long. If

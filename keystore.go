@@ -25,6 +25,12 @@ const MaxOperationIDLen = 1024
 // Read or Close of the response body, so a store that makes releases
 // durable delays that call by its write.
 //
+// The Transport lets one call of an operation at a time send its key (see
+// [WithOperation]). The KeyStores of this package hold the marks of the
+// calls in flight, so the Transports that share one of them share the
+// marks; a Transport over a KeyStore of another kind keeps marks of its
+// own.
+//
 // Implementations must be safe for concurrent use by multiple goroutines.
 type KeyStore interface {
 	// Acquire returns the pending key of operation. If operation has no
@@ -84,12 +90,15 @@ type MemoryKeyStore struct {
 	mu      sync.Mutex
 	pending map[string]PendingOperation
 	now     func() time.Time // nil means time.Now
+	flights flights          // the operations calls are sending
 }
 
 // NewMemoryKeyStore returns an empty MemoryKeyStore.
 func NewMemoryKeyStore() *MemoryKeyStore {
 	return &MemoryKeyStore{}
 }
+
+func (s *MemoryKeyStore) operationFlights() *flights { return &s.flights }
 
 // Acquire implements [KeyStore].
 func (s *MemoryKeyStore) Acquire(ctx context.Context, operation, candidate string) (string, error) {

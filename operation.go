@@ -17,6 +17,36 @@ type operationKey struct{}
 // received: its body read to the end, or closed with no read of it failed
 // or in progress (see [Transport]). Until then, including when the response body
 // is lost in transit, a call with the same id sends the same key again.
+//
+// One call of an operation is in flight at a time, among all the
+// Transports over one KeyStore in a process. A call is in flight from the
+// moment it takes the operation's key until its outcome is settled: until
+// RoundTrip returns an error or a response that leaves the key pending,
+// or, for a response whose outcome may release the key, until its body's
+// read reaches the end or fails, or the body is closed (at once for a
+// response without a body). A call made meanwhile with the same id sends
+// nothing and fails at once with an error that wraps
+// [ErrOperationInFlight]; the key stays pending, and the operation's
+// outcome is the call in flight's to learn. Were the second call to send
+// the key, the first final outcome to reach either caller would release
+// it, and the other caller, left with a body cut in transit or with
+// retries run out, would call again under a new key, and the server would
+// act a second time. The request that [http.Client] sends to follow a
+// redirect of the operation is part of the call and takes the flight
+// again; it is refused only if another call of the operation started in
+// between, after the redirect was returned and before it was followed. A body whose outcome may release the key keeps the operation
+// in flight until it is read to its end, fails or is closed, so close
+// every response body, as net/http already requires. The marks live in
+// memory: after a restart nothing is in flight, and a call resumes the
+// pending key. A KeyStore of another package is shared safely only through
+// one Transport; Transports of their own over it each see only their own
+// calls in flight. The KeyStores of this package keep the marks
+// themselves, for every Transport over them.
+//
+// Once an operation's key has been released, a call with its id starts
+// the operation anew under a new key. So two parts of a program that run
+// one operation must not both call it to completion: the guard keeps
+// overlapping calls apart, not calls made one after the other.
 func WithOperation(ctx context.Context, id string) context.Context {
 	return context.WithValue(ctx, operationKey{}, id)
 }

@@ -53,6 +53,14 @@ import (
 // response returned because retries ran out, or any other outcome that is
 // not final, leaves the key pending as it is.
 //
+// Only one call of an operation is in flight at a time among the
+// Transports over one KeyStore: a call with the id of an operation that
+// another call is sending, or whose final response another caller has
+// not yet read, fails at once with [ErrOperationInFlight] and sends
+// nothing (see [WithOperation]). A key is released only by the call in
+// flight, before its flight ends, so no caller is left holding an outcome
+// that is not final for a key another call released.
+//
 // A 4xx that is not retried is final only for a key the server cannot have
 // acted on before: one sent for the first time, by the first attempt of
 // the call that recorded it. Once the key may have reached the server (an
@@ -129,6 +137,7 @@ type Transport struct {
 	limiters      *limiters // nil: no rate limit
 	hostKeys      *hostKeys
 	keys          keySource // makes keys, unless cfg.newKey does
+	flights       *flights  // the KeyStore's operations in flight
 }
 
 // readsHeaderOnly reports whether base, on the platform goos, never writes
@@ -148,6 +157,7 @@ func NewTransport(base http.RoundTripper, opts ...Option) *Transport {
 	t := &Transport{base: base, cfg: newConfig(opts)}
 	t.baseReadsOnly = readsHeaderOnly(runtime.GOOS, base)
 	t.hostKeys = newHostKeys(t.cfg.maxHosts)
+	t.flights = flightsOf(t.cfg.keyStore)
 	if s := t.cfg.breaker; s != nil {
 		t.breakers = newBreakers(*s, t.cfg.maxHosts, t.cfg.idleHost)
 	}
@@ -185,9 +195,18 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	// Deferred, so that a panic in the caller's code that the call runs
 	// (a key generator, a KeyStore, a hook, the base transport) still
-	// closes the body.
-	defer c.body.close()
+	// closes the body and ends the operation's flight.
+	defer c.finish()
 	return c.run()
+}
+
+// finish closes the request body and ends the operation's flight, unless
+// the body of the response returned holds it.
+func (c *call) finish() {
+	c.body.close()
+	if c.flight != nil {
+		c.flight.end(c.operation)
+	}
 }
 
 // errNilURL reports a request without a URL, which cannot be sent.
@@ -208,8 +227,11 @@ type call struct {
 	key       string // the idempotency key sent, or "" if none
 	keyValue  string // the key header's value to add, or "" to add none
 	operation string // from WithOperation, or ""
-	pending   bool   // opKey is pending in the KeyStore under operation
-	resend    bool   // the request may be sent again after it reached the server
+	// flight holds the marks in which this call has started operation's
+	// flight, or is nil (see flights).
+	flight  *flights
+	pending bool // opKey is pending in the KeyStore under operation
+	resend  bool // the request may be sent again after it reached the server
 	// watchBody: the request may be sent again only if nothing reached the
 	// server, so each attempt notes whether its body was read.
 	watchBody bool
@@ -237,6 +259,9 @@ type call struct {
 
 func (c *call) run() (*http.Response, error) {
 	if err := c.assignKey(); err != nil {
+		if errors.Is(err, ErrOperationInFlight) {
+			return nil, c.giveUp(0, ReasonOperationInFlight, err)
+		}
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
 				slog.String("method", c.method), slog.String("host", c.req.URL.Host),
@@ -302,6 +327,8 @@ func (c *call) deliver(n int, o outcome) *http.Response {
 		b := &responseBody{ReadCloser: resp.Body, cancel: o.cancel}
 		if release {
 			b.t, b.ctx, b.operation, b.key = c.keyOwner(), c.ctx, c.operation, c.opKey
+			// The body ends the flight once it has decided the key's fate.
+			b.flight, c.flight = c.flight, nil
 		}
 		resp.Body = b
 		if w, ok := b.ReadCloser.(io.Writer); ok && resp.StatusCode == http.StatusSwitchingProtocols {
@@ -387,6 +414,11 @@ func (c *call) assignKey() error {
 	var blankKey bool
 	c.key, blankKey = callerKey(c.req.Header, cfg.keyHeader)
 	linked := c.req.Response != nil && c.followLink()
+	if linked {
+		if err := c.startFlight(c.keyOwner().flights, c.operation); err != nil {
+			return err
+		}
+	}
 	if c.key == "" && slices.Contains(cfg.keyedMethods, c.method) {
 		key := c.redirectedKey()
 		var err error
@@ -408,6 +440,9 @@ func (c *call) assignKey() error {
 			}
 		}
 		if op, ok := OperationFrom(c.ctx); ok && !linked {
+			if err = c.startFlight(c.t.flights, op); err != nil {
+				return err
+			}
 			candidate := key
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
 				return err
@@ -429,6 +464,17 @@ func (c *call) assignKey() error {
 	c.resend = idempotentMethod(c.method) || c.key != ""
 	c.watchBody = !c.resend && c.body.replayable
 	c.dropBlankKey = blankKey && c.key == ""
+	return nil
+}
+
+// startFlight starts operation's flight in f, which fails if another call
+// holds it: this call must not send the operation's key while another
+// may release it (see flights).
+func (c *call) startFlight(f *flights, operation string) error {
+	if err := f.start(operation); err != nil {
+		return err
+	}
+	c.flight, c.operation = f, operation
 	return nil
 }
 

@@ -1,0 +1,488 @@
+package idemhttp
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+// faultHeader names the fault the test's base transport injects into a
+// request's response.
+const faultHeader = "X-Test-Fault"
+
+// lostBody is a response body whose connection was cut before any of it
+// arrived.
+type lostBody struct{ io.ReadCloser }
+
+func (lostBody) Read([]byte) (int, error) { return 0, io.ErrUnexpectedEOF }
+
+// chargeServer is an httptest server that runs a charge behind
+// idemserver's middleware, and counts how often the charge ran and which
+// keys reached the middleware.
+type chargeServer struct {
+	*httptest.Server
+	executions atomic.Int32
+	keys       recorder[string]
+}
+
+func newChargeServer(t *testing.T) *chargeServer {
+	t.Helper()
+	s := &chargeServer{}
+	charge := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.executions.Add(1)
+		io.WriteString(w, "paid")
+	})
+	mw := idemserver.Middleware(idemserver.NewMemoryStore())(charge)
+	s.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.keys.add(r.Header.Get(DefaultKeyHeader))
+		mw.ServeHTTP(w, r)
+	}))
+	t.Cleanup(s.Close)
+	return s
+}
+
+// Two calls of one operation overlap: the first sent the operation's key
+// and its outcome is not final yet (its response body is being read, or
+// its attempts are still running). A second call with the operation's id,
+// through the same Transport or another over the same KeyStore, must not
+// send the key meanwhile: its final outcome would release the key, and
+// the first call's caller, whose outcome turns out not final (the body
+// cut, the response lost), would call again under a new key and be
+// charged twice. The second call fails fast, and the first call's retry
+// sends the pending key and gets the server's replay.
+func TestOverlappingCallsOfOneOperationChargeOnce(t *testing.T) {
+	faults := []struct {
+		name string
+		// first makes the first call, which must leave the operation's key
+		// pending; during calls the second call while the first is in
+		// flight.
+		first func(t *testing.T, tr http.RoundTripper, req *http.Request, during func()) error
+		fault string
+	}{
+		{"body cut", func(t *testing.T, tr http.RoundTripper, req *http.Request, during func()) error {
+			resp, err := tr.RoundTrip(req)
+			require.NoError(t, err)
+			during()
+			_, err = io.ReadAll(resp.Body)
+			resp.Body.Close()
+			return err
+		}, "cut"},
+		{"response lost, attempts exhausted", func(t *testing.T, tr http.RoundTripper, req *http.Request, during func()) error {
+			var err error
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				var resp *http.Response
+				resp, err = tr.RoundTrip(req)
+				if err == nil {
+					resp.Body.Close()
+				}
+			}()
+			during()
+			<-done
+			return err
+		}, "lose"},
+	}
+	for _, shared := range []bool{false, true} {
+		for _, f := range faults {
+			name := f.name + "/one Transport"
+			if shared {
+				name = f.name + "/two Transports, one KeyStore"
+			}
+			t.Run(name, func(t *testing.T) {
+				srv := newChargeServer(t)
+				store := NewMemoryKeyStore()
+				sent := make(chan struct{}, 1) // a "lose" request reached the server
+				proceed := make(chan struct{}) // the second call has ended
+				real := newBaseTransport(t)
+				base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+					resp, err := real.RoundTrip(r)
+					switch {
+					case err != nil:
+						return nil, err
+					case r.Header.Get(faultHeader) == "cut":
+						resp.Body = lostBody{resp.Body}
+					case r.Header.Get(faultHeader) == "lose":
+						// The charge ran and its outcome is stored; the
+						// response is lost on the way back.
+						_, _ = io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+						sent <- struct{}{}
+						<-proceed
+						return nil, io.ErrUnexpectedEOF
+					}
+					return resp, nil
+				})
+				opts := []Option{WithKeyStore(store), WithMaxAttempts(1), WithBudget(nil), WithoutBreaker()}
+				first := NewTransport(base, opts...)
+				second := first
+				if shared {
+					second = NewTransport(base, opts...)
+				}
+				ctx := WithOperation(context.Background(), "payment-1")
+
+				var secondErr error
+				secondCall := func() {
+					if f.fault == "lose" {
+						<-sent
+					}
+					defer close(proceed)
+					var resp *http.Response
+					resp, secondErr = second.RoundTrip(post(t, ctx, srv.URL, "charge"))
+					if secondErr == nil {
+						_, _ = io.ReadAll(resp.Body)
+						resp.Body.Close()
+					}
+				}
+				req := post(t, ctx, srv.URL, "charge")
+				req.Header.Set(faultHeader, f.fault)
+				require.Error(t, f.first(t, first, req, secondCall), "the first call's outcome is not final")
+
+				// The first call's caller calls again with the same id.
+				resp, err := first.RoundTrip(post(t, ctx, srv.URL, "charge"))
+				require.NoError(t, err)
+				body, err := io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				resp.Body.Close()
+
+				assert.Equal(t, int32(1), srv.executions.Load(), "the operation was charged once")
+				assert.Equal(t, "paid", string(body))
+				assert.Equal(t, "true", resp.Header.Get("Idempotent-Replayed"), "the retry gets the replay")
+				require.ErrorIs(t, secondErr, ErrOperationInFlight, "the overlapping call is refused")
+				assert.Contains(t, secondErr.Error(), `"payment-1"`, "the error names the operation")
+				keys := srv.keys.all()
+				require.Len(t, keys, 2, "the refused call sent nothing")
+				assert.Equal(t, keys[0], keys[1], "the retry sends the pending key")
+				assert.Empty(t, pendingKeys(t, store), "released with the retry's final outcome")
+			})
+		}
+	}
+}
+
+// blockingBody is a response body whose Read waits for ctx to end and
+// fails with its error, as a body stalled until the attempt timeout does.
+type blockingBody struct{ ctx context.Context }
+
+func (b blockingBody) Read([]byte) (int, error) { <-b.ctx.Done(); return 0, b.ctx.Err() }
+func (blockingBody) Close() error               { return nil }
+
+// An operation's flight ends on every path out of a call, so that a
+// later call of the operation is never refused for one that has ended;
+// and it lasts while the call may still release the key: until the
+// body of a final response has been read to its end, failed or closed.
+func TestOperationFlightEndsOnEveryPath(t *testing.T) {
+	body := func(s string) io.ReadCloser { return io.NopCloser(strings.NewReader(s)) }
+	respond := func(code int, b io.ReadCloser) roundTripFunc {
+		return func(r *http.Request) (*http.Response, error) {
+			resp := okResponse(r, code)
+			resp.Body = b
+			return resp, nil
+		}
+	}
+	tests := []struct {
+		name string
+		base roundTripFunc
+		opts []Option
+		// call makes the call; inFlight reports, while the outcome is not
+		// settled, whether the operation is in flight.
+		call        func(t *testing.T, tr *Transport, inFlight func() bool)
+		wantPending bool
+	}{
+		{"final response, body read to its end", respond(200, body("paid")), nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.True(t, inFlight(), "in flight until the body is read")
+				_, err = io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				assert.False(t, inFlight(), "ended by the read that reached the end, before Close")
+				resp.Body.Close()
+			}, false},
+		{"final response, body closed unread", respond(200, body("paid")), nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.True(t, inFlight())
+				resp.Body.Close()
+			}, false},
+		{"final response, body cut", respond(200, lostBody{body("")}), nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.True(t, inFlight())
+				_, err = io.ReadAll(resp.Body)
+				require.ErrorIs(t, err, io.ErrUnexpectedEOF)
+				assert.False(t, inFlight(), "ended by the failed read, before Close")
+				resp.Body.Close()
+			}, true},
+		{"final response, body never closed after a failed read", respond(200, lostBody{body("")}), nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				_, err = resp.Body.Read(make([]byte, 1))
+				require.Error(t, err)
+			}, true},
+		{"final response without a body", respond(204, http.NoBody), nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.False(t, inFlight(), "a response without a body is whole when returned")
+				resp.Body.Close()
+			}, false},
+		{"response that is not final", respond(503, body("down")), []Option{WithMaxAttempts(1)},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.False(t, inFlight(), "a call that cannot release the key ends its flight when it returns")
+				resp.Body.Close()
+			}, true},
+		{"attempts exhausted", func(*http.Request) (*http.Response, error) { return nil, io.ErrUnexpectedEOF },
+			[]Option{WithMaxAttempts(2)},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				_, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.ErrorIs(t, err, ErrAttemptsExhausted)
+			}, true},
+		{"context canceled before the key is recorded", respond(200, body("paid")), nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				ctx, cancel := context.WithCancel(opCtx())
+				cancel()
+				_, err := tr.RoundTrip(post(t, ctx, "http://x.test", "charge"))
+				require.ErrorIs(t, err, context.Canceled)
+			}, false},
+		{"context canceled while sending", func(r *http.Request) (*http.Response, error) {
+			r.Context().Value(cancelKey{}).(context.CancelFunc)()
+			return nil, r.Context().Err()
+		}, nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				ctx, cancel := context.WithCancel(opCtx())
+				ctx = context.WithValue(ctx, cancelKey{}, cancel)
+				_, err := tr.RoundTrip(post(t, ctx, "http://x.test", "charge"))
+				require.ErrorIs(t, err, context.Canceled)
+			}, true},
+		{"KeyStore fails", respond(200, body("paid")), []Option{WithKeyStore(&failingStore{err: errors.New("disk full")})},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				_, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.ErrorIs(t, err, ErrKeyStore)
+			}, false},
+		{"KeyStore panics", respond(200, body("paid")), []Option{WithKeyStore(&panickingStore{})},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				assert.Panics(t, func() { _, _ = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge")) })
+			}, false},
+		{"KeyStore's Release panics in the read that reaches the end", respond(200, body("paid")),
+			[]Option{WithKeyStore(releasePanicStore{NewMemoryKeyStore()})},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.True(t, inFlight())
+				assert.Panics(t, func() { _, _ = io.ReadAll(resp.Body) })
+			}, true},
+		{"KeyStore's Release panics in Close", respond(200, body("paid")),
+			[]Option{WithKeyStore(releasePanicStore{NewMemoryKeyStore()})},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.Panics(t, func() { resp.Body.Close() })
+			}, true},
+		{"base transport panics", func(*http.Request) (*http.Response, error) { panic("boom") }, nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				assert.Panics(t, func() { _, _ = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge")) })
+			}, true},
+		{"attempt timeout ends the body's read", func(r *http.Request) (*http.Response, error) {
+			resp := okResponse(r, 200)
+			resp.Body = blockingBody{r.Context()}
+			return resp, nil
+		}, []Option{WithAttemptTimeout(time.Second)},
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				assert.True(t, inFlight())
+				_, err = io.ReadAll(resp.Body)
+				require.ErrorIs(t, err, context.DeadlineExceeded)
+				assert.False(t, inFlight())
+				resp.Body.Close()
+			}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				store := NewMemoryKeyStore()
+				opts := append([]Option{WithKeyStore(store), WithBackoff(noWait)}, tt.opts...)
+				tr := NewTransport(tt.base, opts...)
+				inFlight := func() bool { return tr.flights.inFlight("op") }
+
+				tt.call(t, tr, inFlight)
+
+				assert.False(t, inFlight(), "the flight ended")
+				if tr.cfg.keyStore != store {
+					return
+				}
+				pending := pendingKeys(t, store)
+				assert.Equal(t, tt.wantPending, len(pending) == 1, "key pending: %v", pending)
+				// The next call of the operation, through another Transport
+				// over the store, is sent, with the pending key if any.
+				var sent string
+				again := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+					sent = r.Header.Get(DefaultKeyHeader)
+					return okResponse(r, 200), nil
+				}), WithKeyStore(store))
+				resp, err := again.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				resp.Body.Close()
+				if tt.wantPending {
+					assert.Equal(t, pending["op"], sent)
+				}
+				assert.Empty(t, pendingKeys(t, store))
+			})
+		})
+	}
+}
+
+// releasePanicStore is a MemoryKeyStore whose Release panics.
+type releasePanicStore struct{ *MemoryKeyStore }
+
+func (releasePanicStore) Release(context.Context, string, string) error { panic("boom") }
+
+// cancelKey is the context key of a CancelFunc a fake base transport calls.
+type cancelKey struct{}
+
+// opCtx is a context naming the operation "op".
+func opCtx() context.Context { return WithOperation(context.Background(), "op") }
+
+// A request that http.Client sends to follow a redirect of an operation is
+// the same call: it is sent although it names the operation, and once its
+// outcome is final the key is released and the flight has ended.
+func TestFollowedRedirectOfAnOperationIsNotRefused(t *testing.T) {
+	for _, code := range []int{http.StatusTemporaryRedirect, http.StatusSeeOther} {
+		t.Run(http.StatusText(code), func(t *testing.T) {
+			var keys recorder[string]
+			var inFlightDuringFollow atomic.Bool
+			store := NewMemoryKeyStore()
+			tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				keys.add(r.Header.Get(DefaultKeyHeader))
+				if r.URL.Path == "/charge" {
+					return okResponse(r, code, "Location", "/charged"), nil
+				}
+				inFlightDuringFollow.Store(store.flights.inFlight("op"))
+				resp := okResponse(r, 200)
+				resp.Body = io.NopCloser(strings.NewReader("paid"))
+				return resp, nil
+			}), WithKeyStore(store))
+			client := &http.Client{Transport: tr}
+
+			resp, err := client.Do(post(t, opCtx(), "http://x.test/charge", "charge"))
+			require.NoError(t, err)
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+
+			assert.Equal(t, "paid", string(body))
+			assert.True(t, inFlightDuringFollow.Load(), "the request that follows holds the flight")
+			assert.False(t, store.flights.inFlight("op"))
+			assert.Empty(t, pendingKeys(t, store))
+			sent := keys.all()
+			require.Len(t, sent, 2)
+			if code == http.StatusTemporaryRedirect {
+				assert.Equal(t, sent[0], sent[1], "a 307 is followed with the same key")
+			}
+		})
+	}
+}
+
+// sharedKeyStore is a MemoryKeyStore that notes, on each release of a
+// key, how many calls have sent the key and not yet settled their
+// outcome: a call settles when its body's read fails or reaches the end,
+// just before the Transport may release the key.
+type sharedKeyStore struct {
+	*MemoryKeyStore
+	mu      sync.Mutex
+	holders map[string]int // key -> calls that sent it and have not settled
+	worst   int
+}
+
+// settlingBody calls settle once, when a read fails or reaches the end.
+type settlingBody struct {
+	io.ReadCloser
+	settle func()
+	once   sync.Once
+}
+
+func (b *settlingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err != nil {
+		b.once.Do(b.settle)
+	}
+	return n, err
+}
+
+func (s *sharedKeyStore) hold(key string, d int) {
+	s.mu.Lock()
+	s.holders[key] += d
+	s.mu.Unlock()
+}
+
+func (s *sharedKeyStore) Release(ctx context.Context, op, key string) error {
+	s.mu.Lock()
+	s.worst = max(s.worst, s.holders[key])
+	s.mu.Unlock()
+	return s.MemoryKeyStore.Release(ctx, op, key)
+}
+
+// Many calls of one operation through two Transports over one KeyStore,
+// some of whose response bodies are cut: whenever a key is released, the
+// releasing call is the only one that sent it and has not yet settled its
+// outcome, so no caller left with a cut body finds its key released by
+// another call; calls refused as in flight send nothing.
+func TestConcurrentCallsOfOneOperationNeverShareAKeyInFlight(t *testing.T) {
+	store := &sharedKeyStore{MemoryKeyStore: NewMemoryKeyStore(), holders: map[string]int{}}
+	var sends atomic.Int32
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		key := r.Header.Get(DefaultKeyHeader)
+		store.hold(key, 1)
+		resp := okResponse(r, 200)
+		resp.Body = io.NopCloser(strings.NewReader("paid"))
+		if sends.Add(1)%3 == 0 {
+			resp.Body = lostBody{resp.Body}
+		}
+		resp.Body = &settlingBody{ReadCloser: resp.Body, settle: func() { store.hold(key, -1) }}
+		return resp, nil
+	})
+	trs := []*Transport{
+		NewTransport(base, WithKeyStore(store), WithBudget(nil), WithoutBreaker()),
+		NewTransport(base, WithKeyStore(store), WithBudget(nil), WithoutBreaker()),
+	}
+	var refused atomic.Int32
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for range 20 {
+				resp, err := trs[g%2].RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+				if errors.Is(err, ErrOperationInFlight) {
+					refused.Add(1)
+					continue
+				}
+				if !assert.NoError(t, err) {
+					return
+				}
+				_, _ = io.ReadAll(resp.Body)
+				resp.Body.Close()
+			}
+		})
+	}
+	wg.Wait()
+	assert.Zero(t, store.worst, "a key was released while another call that sent it was unsettled")
+	assert.Equal(t, int32(8*20), sends.Load()+refused.Load(), "a refused call sent nothing")
+	assert.False(t, store.flights.inFlight("op"))
+}
