@@ -269,3 +269,93 @@ func TestConnectionLostAtCommit(t *testing.T) {
 		})
 	}
 }
+
+func TestBackendTerminatedDuringCommit(t *testing.T) {
+	// The server ends the claim's session while its COMMIT runs (here in a
+	// deferred trigger, before the commit record): the client cannot tell
+	// whether it committed. It gets 503 with Retry-After, the claim is not
+	// released, and its retry learns from the table that nothing was kept,
+	// and runs the payment once.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	for _, q := range []string{
+		"CREATE SEQUENCE slow_commits",
+		`CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF nextval('slow_commits') = 1 THEN
+		PERFORM pg_sleep(60);
+	END IF;
+	RETURN NEW;
+END $$`,
+		"CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON payments DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()",
+	} {
+		_, err := db.ExecContext(t.Context(), q)
+		require.NoError(t, err, q)
+	}
+	s := db.newStore(t, WithTransactional())
+	var events []idemserver.Event
+	var mu sync.Mutex
+	var runs atomic.Int64
+	pids := make(chan int, 3)
+	h := idemserver.Middleware(s, idemserver.WithObserver(func(e idemserver.Event) {
+		mu.Lock()
+		defer mu.Unlock()
+		events = append(events, e)
+	}))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		var pid int
+		if !assert.NoError(t, Tx(r.Context()).QueryRowContext(r.Context(), "SELECT pg_backend_pid()").Scan(&pid)) {
+			http.Error(w, "no pid", http.StatusInternalServerError)
+			return
+		}
+		pids <- pid
+		txPaymentsHandler().ServeHTTP(w, r)
+	}))
+
+	type answer struct {
+		status int
+		retry  string
+	}
+	first := make(chan answer, 1)
+	go func() {
+		w := serveOnce(h, "k")
+		first <- answer{w.Code, w.Header().Get("Retry-After")}
+	}()
+	pid := <-pids
+	require.Eventually(t, func() bool {
+		var sleeping bool
+		require.NoError(t, db.QueryRowContext(t.Context(),
+			"SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'PgSleep')", pid).Scan(&sleeping))
+		return sleeping
+	}, 30*time.Second, 10*time.Millisecond, "the COMMIT runs its deferred trigger")
+	var terminated bool
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT pg_terminate_backend($1)", pid).Scan(&terminated))
+	require.True(t, terminated)
+
+	got := <-first
+	assert.Equal(t, http.StatusServiceUnavailable, got.status)
+	assert.NotEmpty(t, got.retry, "Retry-After")
+	mu.Lock()
+	require.Len(t, events, 1)
+	assert.ErrorIs(t, events[0].Err, idemserver.ErrOutcomeUnknown)
+	mu.Unlock()
+	assert.Zero(t, countPayments(t, db.DB, "k"), "the terminated COMMIT kept nothing")
+
+	// The retry runs the payment, once the server has let the ended
+	// session's locks go (until then the key is in progress).
+	var status int
+	var body string
+	require.Eventually(t, func() bool {
+		status, body, _ = post(h, "k")
+		return status != http.StatusConflict
+	}, 30*time.Second, 10*time.Millisecond)
+	assert.Equal(t, http.StatusCreated, status, body)
+	assert.Equal(t, 1, countPayments(t, db.DB, "k"))
+	assert.Equal(t, int64(2), runs.Load())
+	status, replay, replayed := post(h, "k")
+	assert.Equal(t, http.StatusCreated, status)
+	assert.True(t, replayed)
+	assert.Equal(t, body, replay)
+	assert.Zero(t, db.Stats().InUse, "no transaction left open")
+}

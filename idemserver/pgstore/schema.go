@@ -109,6 +109,8 @@ type statements struct {
 	read     string
 	claimTx  string
 	held     string
+
+	completeAt string
 }
 
 // newStatements returns the statements over table t.
@@ -126,6 +128,18 @@ type statements struct {
 // duration in seconds.
 func newStatements(t tableName) statements {
 	r := strings.NewReplacer("{table}", t.quoted(), "{index}", t.index(), "{old_index}", t.oldIndex())
+	// complete measures the retention from the statement, not from
+	// now(), the start of its transaction: in transactional mode that
+	// is the claim, and the handler may have run for longer than the
+	// retention since. A completion sent again, after the answer to
+	// one that stored its response was lost, finds that response
+	// under its token (tokens are unique to a claim) and succeeds,
+	// rather than report the lease lost to a client whose outcome
+	// is kept.
+	complete := r.Replace(`UPDATE {table}
+SET response = $4, expires_at = statement_timestamp() + $5::float8 * interval '1 second',
+	sweep_at = greatest(sweep_at, statement_timestamp() + $5::float8 * interval '1 second')
+WHERE scope = $1 AND key = $2 AND token = $3 AND (response IS NULL OR response = $4)`)
 	return statements{
 		ddl: []string{
 			r.Replace(createTable),
@@ -167,18 +181,7 @@ SELECT * FROM cur`),
 SET fingerprint = $3, token = $4, expires_at = now() + $5::float8 * interval '1 second', response = NULL,
 	sweep_at = now() + $7::float8 * interval '1 second'
 WHERE scope = $1 AND key = $2 AND token = $6 AND expires_at <= now()`),
-		// complete measures the retention from the statement, not from
-		// now(), the start of its transaction: in transactional mode that
-		// is the claim, and the handler may have run for longer than the
-		// retention since. A completion sent again, after the answer to
-		// one that stored its response was lost, finds that response
-		// under its token (tokens are unique to a claim) and succeeds,
-		// rather than report the lease lost to a client whose outcome
-		// is kept.
-		complete: r.Replace(`UPDATE {table}
-SET response = $4, expires_at = statement_timestamp() + $5::float8 * interval '1 second',
-	sweep_at = greatest(sweep_at, statement_timestamp() + $5::float8 * interval '1 second')
-WHERE scope = $1 AND key = $2 AND token = $3 AND (response IS NULL OR response = $4)`),
+		complete: complete,
 		release: r.Replace(`DELETE FROM {table}
 WHERE scope = $1 AND key = $2 AND token = $3 AND response IS NULL`),
 		extend: r.Replace(`UPDATE {table}
@@ -190,8 +193,14 @@ WHERE scope = $1 AND key = $2`),
 		// claimTx is the claim of transactional mode, in the claim's
 		// transaction: with the key's advisory lock and its token's (see
 		// tokenLockID), both taken without waiting, it inserts the claim;
-		// it always returns one row, with whether it got each lock and
-		// the token's lock, which the claim's checks look for (see held).
+		// it always returns one row, with whether it got each lock, the
+		// inserted row's ctid (NULL unless it inserted) and the token's
+		// lock, which the claim's checks look for (see held). The row
+		// that is there is read only by a claim that did not insert: the
+		// lateral subquery's condition on the insert gates its index
+		// scan, so that a claim that inserts reads nothing of the table,
+		// which under serializable would be tracked by index page (see
+		// completeAt).
 		// The locks are the key's (see lockID) and the token's mixed with
 		// the table's oid: a name without a schema names a different
 		// table under each search_path, and those tables' keys must not
@@ -204,10 +213,21 @@ WHERE scope = $1 AND key = $2`),
 	SELECT $1, $2, $3, $4, now() + $5::float8 * interval '1 second', now() + $7::float8 * interval '1 second'
 	FROM lock WHERE locked AND token_locked
 	ON CONFLICT (scope, key) DO NOTHING
-	RETURNING true AS claimed
+	RETURNING ctid::text AS at
 )
-SELECT lock.locked, lock.token_locked, EXISTS (SELECT FROM ins), lock.token_id, ` + rowColumns + `
-FROM lock LEFT JOIN {table} ON scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)`),
+SELECT lock.locked, lock.token_locked, (SELECT at FROM ins), lock.token_id, found.*
+FROM lock LEFT JOIN LATERAL (
+	SELECT ` + rowColumns + ` FROM {table}
+	WHERE scope = $1 AND key = $2 AND lock.locked AND NOT EXISTS (SELECT FROM ins)
+) AS found ON true`),
+		// completeAt is complete in transactional mode, for a claim whose
+		// row its transaction inserted at ctid $6: it finds the row by
+		// ctid, not through the primary key. Under serializable a lookup
+		// in the index is tracked by index page, which every concurrent
+		// claim of a key on that page writes to, so that claims of
+		// different keys would fail each other's commits; the row this
+		// transaction wrote it reads without being tracked.
+		completeAt: strings.Replace(complete, "WHERE ", "WHERE ctid = $6::tid AND ", 1),
 		// held reports whether a claim of transactional mode is still
 		// open: whether any session holds the advisory lock $1 of its
 		// token in this database, which only the claim's transaction

@@ -119,7 +119,7 @@ func TestDocumentedStatementsAreTheStores(t *testing.T) {
 	q := newStatements(tableName{name: "t"})
 	for name, stmt := range map[string]string{
 		"claim": q.claim, "replace": q.replace, "claimTx": q.claimTx, "read": q.read, "sweep": q.sweep, "complete": q.complete,
-		"held": q.held,
+		"held": q.held, "completeAt": q.completeAt,
 	} {
 		stmt = strings.ReplaceAll(stmt, `"t"`, "t")
 		assert.True(t, strings.Contains(text, oneLine(stmt)), "docs/pgstore.md lacks the %s statement:\n%s", name, stmt)

@@ -1,8 +1,10 @@
 package pgstore
 
 import (
+	"net/http"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -60,4 +62,44 @@ func TestLeaseModeUnderSerializableLoad(t *testing.T) {
 	var n int
 	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM "+s.table.quoted()+" WHERE response IS NOT NULL").Scan(&n))
 	assert.Equal(t, workers*rounds, n, "every record completed")
+}
+
+func TestTransactionalUnderSerializableLoad(t *testing.T) {
+	// Under serializable, the claim's transaction is the handler's, so
+	// whatever the store's own statements read in it is tracked too, by
+	// index page: a claim or a complete that looked its key up in the
+	// table's index would conflict with every concurrent claim of a key
+	// on the same page, and their requests would be rolled back, rerun
+	// and, past MaxReruns, answered 503, though no two of them touched
+	// one row. Here no handler reads anything: every request must run
+	// once and be kept.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	pool := db.openAtLevel(t, "serializable")
+	pool.SetMaxOpenConns(16)
+	s, err := New(pool, WithTransactional(), WithTable(db.newStore(t).table.name))
+	require.NoError(t, err)
+	var runs atomic.Int64
+	h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		txPaymentsHandler().ServeHTTP(w, r)
+	}))
+
+	const workers, rounds = 8, 40
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for i := range rounds {
+				key := strconv.Itoa(w) + "-" + strconv.Itoa(i)
+				status, body, _ := post(h, key)
+				assert.Equal(t, http.StatusCreated, status, "%s: %s", key, body)
+			}
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, int64(workers*rounds), runs.Load(), "handler runs")
+	var n int
+	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM payments").Scan(&n))
+	assert.Equal(t, workers*rounds, n, "payments")
 }

@@ -73,6 +73,7 @@ type txState struct {
 	key   idemserver.Key
 	token string
 	held  int64       // the token's advisory lock, which only the transaction holds (see tokenLockID)
+	at    string      // the ctid of the row the claim inserted, or "" (see completeAt)
 	rerun atomic.Bool // the handler asked for a rerun
 	ended atomic.Bool // committed or rolled back
 }
@@ -171,11 +172,14 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			return idemserver.ClaimResult{}, sql.NullString{}, fmt.Errorf("pgstore: begin: %w", err)
 		}
 		var (
-			locked, tokenLocked, won bool
-			r                        row
+			locked, tokenLocked bool
+			at                  sql.NullString
+			r                   row
 		)
 		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease), s.tokenLockID(c.Token)).
-			Scan(append([]any{&locked, &tokenLocked, &won, &st.held}, r.dest()...)...)
+			Scan(append([]any{&locked, &tokenLocked, &at, &st.held}, r.dest()...)...)
+		won := at.Valid
+		st.at = at.String
 		switch {
 		case err == nil && locked && !tokenLocked:
 			// Another session holds the token's lock: a token reused, or
@@ -336,7 +340,15 @@ func (s *Store) extendTx(ctx context.Context, st *txState) error {
 // completeTx stores resp in the claim's transaction and commits it.
 func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encoded []byte) error {
 	st.ended.Store(true)
-	n, err := execRows(ctx, st.tx, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+	var n int64
+	var err error
+	if st.at != "" {
+		n, err = execRows(ctx, st.tx, s.q.completeAt, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl, st.at)
+	} else {
+		// A claim that replaced an expired row read it through the
+		// index already.
+		n, err = execRows(ctx, st.tx, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+	}
 	if errors.Is(err, sql.ErrTxDone) {
 		return s.completeEndedTx(ctx, st, ttl, encoded)
 	}
