@@ -174,6 +174,9 @@ const (
 	OutcomeInProgress
 	// OutcomeMismatch: the key belongs to a different request (422).
 	OutcomeMismatch
+	// OutcomeCanceled: the request's context ended (its client left)
+	// while the key was being claimed, and the handler did not run.
+	OutcomeCanceled
 )
 
 // String returns the outcome's name, such as "replayed".
@@ -195,6 +198,8 @@ func (o Outcome) String() string {
 		return "in progress"
 	case OutcomeMismatch:
 		return "mismatch"
+	case OutcomeCanceled:
+		return "canceled"
 	}
 	return "Outcome(" + strconv.Itoa(int(o)) + ")"
 }
@@ -347,6 +352,14 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	var evicted []Eviction
 	for {
 		switch {
+		case err != nil && ctx.Err() != nil:
+			// The client left while the store was being asked: the store
+			// did not fail, and no one reads the answer.
+			writeProblem(w, ProblemRequestCanceled, http.StatusServiceUnavailable,
+				"the request was canceled before it was processed; nothing was stored", cfg.retryAfter)
+			m.observe(Event{Request: r, Key: key, Outcome: OutcomeCanceled, Status: http.StatusServiceUnavailable,
+				Err: errors.Join(context.Cause(ctx), err), Evictions: evicted})
+			return
 		case err != nil:
 			detail := "the idempotency store could not be reached; the request was not processed"
 			switch {

@@ -152,6 +152,31 @@ func TestStoreTimeoutExtend(t *testing.T) {
 	})
 }
 
+// TestClaimCanceledByClient has the client leave while its claim waits on
+// the store: the observer is told the request was canceled, not that the
+// store failed.
+func TestClaimCanceledByClient(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := newStubStore()
+		defer store.MemoryStore.Close()
+		ctx, cancel := context.WithCancelCause(t.Context())
+		store.claim = func(ctx context.Context, _ Claim) (ClaimResult, error) {
+			cancel(errClientGone)
+			return ClaimResult{}, silent(ctx)
+		}
+		var log eventLog
+		h := &countingHandler{}
+		mw := Middleware(store, WithObserver(log.observe))(h)
+		w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b").WithContext(ctx))
+		decodeProblem(t, w, ProblemRequestCanceled, http.StatusServiceUnavailable)
+		events := log.all()
+		require.Len(t, events, 1)
+		assert.Equal(t, OutcomeCanceled, events[0].Outcome)
+		assert.ErrorIs(t, events[0].Err, errClientGone)
+		assert.Zero(t, h.calls.Load())
+	})
+}
+
 // TestStoreContextOutlivesClaimTimeout has a store that watches the claim's
 // context hand the handler a context derived from it: the claim's bound
 // must not end the handler's context, however long the handler runs.
