@@ -1,6 +1,10 @@
 package idemserver
 
-import "sync"
+import (
+	"context"
+	"sync"
+	"time"
+)
 
 // buffers are the byte buffers of one keyed request: the request body,
 // read to fingerprint it, and the header fields and body of the response
@@ -14,6 +18,28 @@ type buffers struct {
 	reqBody  []byte
 	fields   []byte
 	respBody []byte
+	// call is the context of the request's store calls, one at a time,
+	// kept for the next call while no store could be watching it.
+	call *callContext
+}
+
+// storeCall returns the context of a store call under parent that must
+// end within d; endCall must follow the call.
+func (b *buffers) storeCall(parent context.Context, d time.Duration) *callContext {
+	if b.call == nil {
+		b.call = new(callContext)
+	}
+	b.call.start(parent, time.Now().Add(d))
+	return b.call
+}
+
+// endCall ends the deadline of c, from storeCall, and lets go of it if a
+// store could still be watching it, or kept is set: a store handed back a
+// context derived from it.
+func (b *buffers) endCall(c *callContext, kept bool) {
+	if !c.stop() || kept {
+		b.call = nil
+	}
 }
 
 // maxPooledBuffer is the largest buffer kept for reuse, so that one request

@@ -27,7 +27,11 @@
 // run, because running it without a claim could run it twice. A Complete or
 // Release that fails transiently is tried again a few times; if the store
 // still cannot keep the outcome, the client gets the response anyway and
-// the record stays in progress until its lease lapses.
+// the record stays in progress until its lease lapses (or, if the store
+// kept it after all, every retry replays that same response). Every store
+// call is bounded ([WithStoreTimeout], 5s by default): one that a store
+// whose connection went silent does not answer in time counts as failed,
+// rather than holding the request until the connection times out.
 //
 // # Leases
 //

@@ -19,9 +19,11 @@ var ErrMaxHoldExceeded = errors.New("idemserver: handler held its key past the m
 //
 // It wakes a third of a lease after sending each extension and extends the
 // lease to one lease past the middleware's clock. An extension that fails for a
-// reason other than a lost lease or a closed store is tried again a
+// reason other than a lost lease or a closed store, or that the store did
+// not answer within its timeout (see [WithStoreTimeout]), is tried again a
 // twentieth of a lease later (at most a second), for as long as the current
-// lease has not ended. The keeper gives up, and cancels the
+// lease has not ended; an extension still unanswered that long before the
+// lease ends has failed. The keeper gives up, and cancels the
 // handler's context with the reason, when the store reports [ErrLeaseLost],
 // when the lease would end before another try, or when the handler has held
 // the key for the maximum hold; from then on the handler may be taken over
@@ -84,10 +86,15 @@ func (k *leaseKeeper) renew() {
 	}
 	k.running.Add(1)
 	defer k.running.Done()
-	// An extension that has not succeeded when the lease ends is too late;
-	// one that is in progress when the claim ends is ended by stop.
+	// An extension the store has not answered within its timeout is tried
+	// again (see WithStoreTimeout), and one that has not succeeded a retry
+	// delay before the lease ends is too late: the keeper gives up then,
+	// so that the handler learns it before another request may take the
+	// key over. One that is in progress when the claim ends is ended by
+	// stop.
 	leaseEnd := k.leaseEnd
-	ctx, cancel := context.WithDeadline(k.ctx, leaseEnd)
+	ctx, cancel := context.WithDeadline(k.ctx,
+		earliest(leaseEnd.Add(-renewRetryDelay(cfg.lease)), now.Add(cfg.storeTimeout)))
 	defer cancel()
 	k.cancelExtend = cancel
 	k.mu.Unlock()
@@ -118,6 +125,13 @@ func (k *leaseKeeper) renew() {
 		}
 		k.timer.Reset(retry)
 	}
+}
+
+func earliest(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
 }
 
 // renewEvery is the time from one extension of a lease to the next. It is

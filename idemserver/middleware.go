@@ -180,6 +180,9 @@ const (
 	OutcomeInProgress
 	// OutcomeMismatch: the key belongs to a different request (422).
 	OutcomeMismatch
+	// OutcomeCanceled: the request's context ended (its client left)
+	// while the key was being claimed, and the handler did not run.
+	OutcomeCanceled
 )
 
 // String returns the outcome's name, such as "replayed".
@@ -201,6 +204,8 @@ func (o Outcome) String() string {
 		return "in progress"
 	case OutcomeMismatch:
 		return "mismatch"
+	case OutcomeCanceled:
+		return "canceled"
 	}
 	return "Outcome(" + strconv.Itoa(int(o)) + ")"
 }
@@ -357,7 +362,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease)}
 	}
 	c := newClaim()
-	res, err := m.claimIn(ctx, &c, false, "")
+	res, err := m.claimIn(ctx, bufs, &c, false, "")
 	var waited time.Duration
 	poll := firstPoll
 	takeOvers, reruns := 0, 0
@@ -367,6 +372,14 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 	var evicted []Eviction
 	for {
 		switch {
+		case err != nil && ctx.Err() != nil:
+			// The client left while the store was being asked: the store
+			// did not fail, and no one reads the answer.
+			writeProblem(w, ProblemRequestCanceled, http.StatusServiceUnavailable,
+				"the request was canceled before it was processed; nothing was stored", cfg.retryAfter)
+			m.observe(Event{Request: r, Key: key, Outcome: OutcomeCanceled, Status: http.StatusServiceUnavailable,
+				Err: errors.Join(context.Cause(ctx), err), Evictions: evicted})
+			return
 		case err != nil:
 			detail := "the idempotency store could not be reached; the request was not processed"
 			switch {
@@ -388,7 +401,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 				reruns++
 				evicted = res.Evictions
 				c = newClaim()
-				res, err = m.claimIn(ctx, &c, false, "")
+				res, err = m.claimIn(ctx, bufs, &c, false, "")
 				continue
 			}
 			return
@@ -410,7 +423,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		case !c.Now.Before(res.Record.LeaseExpires) && takeOvers < maxTakeOvers:
 			takeOvers++
 			c = newClaim()
-			res, err = m.claimIn(ctx, &c, true, res.Record.Token)
+			res, err = m.claimIn(ctx, bufs, &c, true, res.Record.Token)
 			continue
 		case waited < cfg.wait && ctx.Err() == nil:
 			d := min(poll, cfg.wait-waited)
@@ -420,7 +433,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 			waited += d
 			poll = min(2*poll, maxPoll)
 			c = newClaim()
-			res, err = m.claimIn(ctx, &c, false, "")
+			res, err = m.claimIn(ctx, bufs, &c, false, "")
 			continue
 		}
 		writeProblem(w, ProblemInProgress, http.StatusConflict,
@@ -432,8 +445,16 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 
 // claimIn claims c.Key in the store, or takes over expiredToken's lease
 // if takeOver is set, and sets c.Token to the new lease token. A completed
-// record's response comes back packed, whatever the store.
-func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredToken string) (PackedClaimResult, error) {
+// record's response comes back packed, whatever the store. The store's
+// answer must come within the store timeout (see [WithStoreTimeout]).
+func (m *handler) claimIn(ctx context.Context, bufs *buffers, c *Claim, takeOver bool, expiredToken string) (PackedClaimResult, error) {
+	call := bufs.storeCall(ctx, m.cfg.storeTimeout)
+	res, err := m.claimCall(call, c, takeOver, expiredToken)
+	bufs.endCall(call, err == nil && res.Context != nil)
+	return res, err
+}
+
+func (m *handler) claimCall(ctx context.Context, c *Claim, takeOver bool, expiredToken string) (PackedClaimResult, error) {
 	if m.packed != nil {
 		// The store makes the token only when it inserts the record, so
 		// that a replay costs none.
@@ -474,7 +495,9 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 		if storeCtx == nil {
 			storeCtx = r.Context()
 		}
-		err := m.store.Release(context.WithoutCancel(storeCtx), key, token)
+		call, cancel := context.WithTimeout(context.WithoutCancel(storeCtx), cfg.storeTimeout)
+		err := m.store.Release(call, key, token)
+		cancel()
 		writeProblem(w, ProblemLeaseLost, http.StatusServiceUnavailable,
 			"the idempotency store granted the key too late to process the request", cfg.retryAfter)
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable,
@@ -530,7 +553,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	defer func() {
 		if !returned { // panic or runtime.Goexit: release and let it go on
 			leaseEnd, _ := lease.stop()
-			err := m.release(storeCtx, key, token, leaseEnd)
+			err := m.release(storeCtx, bufs, key, token, leaseEnd)
 			m.observe(Event{Request: r, Key: key, Outcome: OutcomeReleased, Err: errors.Join(ErrHandlerPanicked, err), Evictions: claim.Evictions})
 		}
 	}()
@@ -547,7 +570,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 		if cause == nil {
 			cause = context.Cause(ctx)
 		}
-		err := m.release(storeCtx, key, token, leaseEnd)
+		err := m.release(storeCtx, bufs, key, token, leaseEnd)
 		typ, detail := ProblemRequestCanceled, "the request was canceled before it was processed; nothing was stored"
 		if errors.Is(cause, ErrLeaseLost) || errors.Is(err, ErrLeaseLost) {
 			typ, detail = ProblemLeaseLost, "the request lost its idempotency key before it was processed"
@@ -559,7 +582,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	rec.finish(r.Method == http.MethodHead)
 
 	if rec.releases {
-		err := m.release(storeCtx, key, token, leaseEnd)
+		err := m.release(storeCtx, bufs, key, token, leaseEnd)
 		if again(err) {
 			return true
 		}
@@ -576,13 +599,15 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	}
 	var err error
 	for try := 1; ; try++ {
+		call := bufs.storeCall(storeCtx, cfg.storeTimeout)
 		if m.packed != nil {
-			err = m.packed.CompletePacked(storeCtx, PackedCompletion{
+			err = m.packed.CompletePacked(call, PackedCompletion{
 				Key: key, Token: token, Ref: claim.Ref, Response: packedOf(rec.parts()), Now: now, Expires: expires,
 			})
 		} else {
-			err = m.store.Complete(storeCtx, key, token, resp, expires)
+			err = m.store.Complete(call, key, token, resp, expires)
 		}
+		bufs.endCall(call, false)
 		if !retryEnd(err, try, leaseEnd) {
 			break
 		}
@@ -632,9 +657,11 @@ var endRetryDelays = [...]time.Duration{10 * time.Millisecond, 100 * time.Millis
 
 // release releases key's claim, trying again after a transient failure
 // while the lease lasts (leaseEnd, by the runtime's clock).
-func (m *handler) release(ctx context.Context, key Key, token string, leaseEnd time.Time) error {
+func (m *handler) release(ctx context.Context, bufs *buffers, key Key, token string, leaseEnd time.Time) error {
 	for try := 1; ; try++ {
-		err := m.store.Release(ctx, key, token)
+		call := bufs.storeCall(ctx, m.cfg.storeTimeout)
+		err := m.store.Release(call, key, token)
+		bufs.endCall(call, false)
 		if !retryEnd(err, try, leaseEnd) {
 			return err
 		}

@@ -27,6 +27,9 @@ const (
 	// DefaultMaxResponseBytes is the largest response body the middleware
 	// stores for replay.
 	DefaultMaxResponseBytes = 1 << 20
+	// DefaultStoreTimeout is how long the middleware waits for the store to
+	// answer one call; see [WithStoreTimeout].
+	DefaultStoreTimeout = 5 * time.Second
 	// DefaultRetryAfter is the wait the middleware asks for in the
 	// Retry-After field of its 409 and 503 responses.
 	DefaultRetryAfter = time.Second
@@ -44,6 +47,7 @@ type config struct {
 	ttl           time.Duration
 	lease         time.Duration
 	maxHold       time.Duration
+	storeTimeout  time.Duration
 	maxBody       int64
 	maxResponse   int64
 	retryAfter    string
@@ -55,14 +59,15 @@ type config struct {
 
 func newConfig(opts []Option) *config {
 	c := &config{
-		header:      DefaultKeyHeader,
-		methods:     map[string]bool{http.MethodPost: true, http.MethodPatch: true},
-		ttl:         DefaultTTL,
-		lease:       DefaultLease,
-		maxHold:     DefaultMaxHold,
-		maxBody:     DefaultMaxBodyBytes,
-		maxResponse: DefaultMaxResponseBytes,
-		now:         time.Now,
+		header:       DefaultKeyHeader,
+		methods:      map[string]bool{http.MethodPost: true, http.MethodPatch: true},
+		ttl:          DefaultTTL,
+		lease:        DefaultLease,
+		maxHold:      DefaultMaxHold,
+		storeTimeout: DefaultStoreTimeout,
+		maxBody:      DefaultMaxBodyBytes,
+		maxResponse:  DefaultMaxResponseBytes,
+		now:          time.Now,
 	}
 	WithRetryAfter(DefaultRetryAfter)(c)
 	for _, o := range opts {
@@ -151,6 +156,38 @@ func WithMaxHold(d time.Duration) Option {
 			d = DefaultMaxHold
 		}
 		c.maxHold = d
+	}
+}
+
+// WithStoreTimeout bounds each call the middleware makes to the store: the
+// context of a claim, a Complete, a Release or an Extend ends d after the
+// call starts (an Extend's ends with the lease, if that is sooner), so
+// that a store whose connection went silent, as one does when a database
+// fails over or a NAT entry dies, fails the call instead of holding the
+// request until the operating system gives up on the connection. A call
+// that timed out counts as any other store failure: a claim is answered
+// with 503 and the handler does not run; a Complete or Release is tried
+// again while the lease lasts, and then, if still failing, a Release
+// leaves the key in progress until its lease lapses, and a Complete's
+// response reaches the client, as stored or not (it may have been
+// stored: a retry then replays the same response); an Extend is tried
+// again while the lease lasts, and if none succeeds the handler's context
+// is cancelled with [ErrLeaseLost] before the lease ends. A store that
+// runs the handler in a transaction reports a commit it cannot vouch for
+// with [ErrOutcomeUnknown], and the claim is not released.
+//
+// The bound is a store's to honour: it ends the context, and a store
+// that does not watch its context is not bounded. Values of zero or less
+// mean [DefaultStoreTimeout], 5s: far above a healthy store's answer, even
+// a database committing under load, and well within a client's patience
+// and the default lease, so that a Complete can be tried again before the
+// lease ends.
+func WithStoreTimeout(d time.Duration) Option {
+	return func(c *config) {
+		if d <= 0 {
+			d = DefaultStoreTimeout
+		}
+		c.storeTimeout = d
 	}
 }
 

@@ -36,6 +36,7 @@ type commitCutter struct {
 	deliver  bool   // forward the COMMIT before cutting
 	answer   []byte // sent to the client in place of the server's answer
 	cutAt    string // the lower-case start of the query to cut at; "commit" if empty
+	silent   bool   // go silent at the cut, as a connection whose peer vanished, rather than close it
 	armed    atomic.Bool
 	cut      atomic.Bool
 	wg       sync.WaitGroup
@@ -87,6 +88,12 @@ func (p *commitCutter) accept() {
 			for {
 				n, err := server.Read(buf)
 				if dropReplies.Load() {
+					if p.silent {
+						if err != nil {
+							return
+						}
+						continue
+					}
 					if p.answer != nil {
 						_, _ = client.Write(p.answer)
 					}

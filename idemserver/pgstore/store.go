@@ -78,9 +78,10 @@
 //     run the request again, in a new transaction, up to
 //     [idemserver.MaxReruns] times; a handler whose own statement fails so
 //     asks with [Rerun].
-//   - A COMMIT whose outcome is unknown (the connection died during it, or
-//     an error other than the server's refusal answered it, such as a
-//     pooler's) is reported with [idemserver.ErrOutcomeUnknown] and never
+//   - A COMMIT whose outcome is unknown (the connection died during it,
+//     it was not answered before the context of the Complete ended, as
+//     bounded by [idemserver.WithStoreTimeout], or an error other than the
+//     server's refusal answered it, such as a pooler's) is reported with [idemserver.ErrOutcomeUnknown] and never
 //     followed by a release: the client gets 503 with Retry-After, and its
 //     retry finds in the table what committed.
 //
@@ -534,7 +535,7 @@ func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, 
 		err := fmt.Errorf("pgstore: complete: %w", encodeErr)
 		if st := stateOf(ctx, key, token); s.transactional && st != nil {
 			st.ended.Store(true)
-			_ = st.rollback()
+			_ = st.rollback(ctx)
 			return s.rolledBack(st, err)
 		}
 		return err

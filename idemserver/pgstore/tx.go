@@ -68,14 +68,20 @@ type txKey struct{}
 // through the store after the handler ended it, returns the connection to
 // the pool.
 type txState struct {
-	conn  *sql.Conn
-	tx    *sql.Tx
-	key   idemserver.Key
-	token string
-	held  int64       // the token's advisory lock, which only the transaction holds (see tokenLockID)
-	at    string      // the ctid of the row the claim inserted, or "" (see completeAt)
-	rerun atomic.Bool // the handler asked for a rerun
-	ended atomic.Bool // committed or rolled back
+	conn *sql.Conn
+	tx   *sql.Tx
+	// cancel ends the transaction's context, which the driver's COMMIT
+	// and ROLLBACK run under (database/sql's take none): commit and
+	// rollback end it with the context of the store call that ends the
+	// claim, so that a connection gone silent fails that call at its
+	// deadline instead of holding it until the kernel gives up.
+	cancel context.CancelFunc
+	key    idemserver.Key
+	token  string
+	held   int64       // the token's advisory lock, which only the transaction holds (see tokenLockID)
+	at     string      // the ctid of the row the claim inserted, or "" (see completeAt)
+	rerun  atomic.Bool // the handler asked for a rerun
+	ended  atomic.Bool // committed or rolled back
 }
 
 // begin takes a connection from the pool and begins the transaction of
@@ -87,39 +93,56 @@ type txState struct {
 func (s *Store) begin(ctx context.Context, c idemserver.Claim) (*txState, error) {
 	var st *txState
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
-		tx, err := conn.BeginTx(context.WithoutCancel(ctx), nil)
+		txCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		tx, err := conn.BeginTx(txCtx, nil)
 		if err != nil {
+			cancel()
 			// Back to the pool; one the driver reported bad was closed
 			// and discarded already.
 			_ = conn.Close()
 			return err
 		}
-		st = &txState{conn: conn, tx: tx, key: c.Key, token: c.Token}
+		st = &txState{conn: conn, tx: tx, cancel: cancel, key: c.Key, token: c.Token}
 		return nil
 	})
 	return st, err
 }
 
 // commit commits the claim's transaction and returns its connection to
-// the pool.
-func (st *txState) commit() error {
-	err := st.tx.Commit()
+// the pool. A COMMIT still out when ctx ends is abandoned: the driver
+// closes the connection, and the error says nothing of whether the server
+// committed.
+func (st *txState) commit(ctx context.Context) error {
+	return st.end(ctx, st.tx.Commit)
+}
+
+// rollback rolls the claim's transaction back and returns its connection
+// to the pool. A ROLLBACK still out when ctx ends is abandoned: the
+// driver closes the connection, and the server rolls back a transaction
+// whose connection closed.
+func (st *txState) rollback(ctx context.Context) error {
+	return st.end(ctx, st.tx.Rollback)
+}
+
+func (st *txState) end(ctx context.Context, f func() error) error {
+	err := within(ctx, st, f)
 	st.closeConn()
 	return err
 }
 
-// rollback rolls the claim's transaction back and returns its connection
-// to the pool.
-func (st *txState) rollback() error {
-	err := st.tx.Rollback()
-	st.closeConn()
-	return err
+// within runs f, which commits or rolls back the claim's transaction,
+// ending the transaction's context when ctx ends first.
+func within(ctx context.Context, st *txState, f func() error) error {
+	stop := context.AfterFunc(ctx, st.cancel)
+	defer stop()
+	return f()
 }
 
 // closeConn returns the claim's connection to the pool, once its
 // transaction has ended: sql.Conn.Close waits for an open one. A
 // connection that went bad is closed already, and discarded.
 func (st *txState) closeConn() {
+	st.cancel()
 	_ = st.conn.Close()
 }
 
@@ -186,7 +209,7 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			// a collision of two 64-bit hashes. The check of this claim
 			// could not tell its transaction from the other's, so the
 			// claim fails closed.
-			_ = st.rollback()
+			_ = st.rollback(context.Background())
 			return idemserver.ClaimResult{}, sql.NullString{}, errors.New("pgstore: claim: another session holds the advisory lock of the claim's token; each claim needs a new token")
 		case err == nil && won:
 			return claimed(st)
@@ -197,13 +220,13 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			if err == nil && ok {
 				return claimed(st)
 			}
-			_ = st.rollback()
+			_ = st.rollback(context.Background())
 			if err != nil && !retryable(err) {
 				return idemserver.ClaimResult{}, sql.NullString{}, err
 			}
 			continue
 		}
-		_ = st.rollback()
+		_ = st.rollback(context.Background())
 		switch {
 		case retryable(err):
 			continue
@@ -356,10 +379,10 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 		err = errors.New("the claim's row is gone from its transaction")
 	}
 	if err != nil {
-		_ = st.rollback()
+		_ = st.rollback(ctx)
 		return s.rolledBack(st, err)
 	}
-	err = st.commit()
+	err = st.commit(ctx)
 	switch {
 	case err == nil:
 		return nil
@@ -426,7 +449,7 @@ func (s *Store) rolledBack(st *txState, err error) error {
 // what it left (see releaseEndedTx).
 func (s *Store) releaseTx(ctx context.Context, st *txState) error {
 	st.ended.Store(true)
-	err := st.tx.Rollback()
+	err := within(ctx, st, st.tx.Rollback)
 	switch {
 	case errors.Is(err, sql.ErrTxDone):
 		err = s.releaseEndedTx(ctx, st)

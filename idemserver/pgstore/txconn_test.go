@@ -23,7 +23,8 @@ func TestTransactionalClaimWaitsForAConnectionOnlyWhileItsRequestLasts(t *testin
 	// for the pool connection to begin it on must not: with every
 	// connection taken (by other claims' open transactions), a request
 	// whose client left, or whose deadline passed, while it waited would
-	// never return. It gets 503, and its handler does not run.
+	// never return. It gets 503, reported as canceled (the store did not
+	// fail), and its handler does not run.
 	for _, tt := range []struct {
 		name string
 		ctx  func(context.Context) (context.Context, context.CancelFunc)
@@ -96,11 +97,11 @@ func TestTransactionalClaimWaitsForAConnectionOnlyWhileItsRequestLasts(t *testin
 				t.Fatal("the claim still waits for a connection after its request's context ended")
 			}
 			assert.Equal(t, http.StatusServiceUnavailable, w.Code, w.Body.String())
-			assert.Contains(t, w.Body.String(), idemserver.ProblemStoreUnavailable)
+			assert.Contains(t, w.Body.String(), idemserver.ProblemRequestCanceled)
 			assert.NotEmpty(t, w.Header().Get("Retry-After"))
 			assert.Zero(t, runs.Load(), "the handler did not run")
 			require.Len(t, events, 1)
-			assert.Equal(t, idemserver.OutcomeUnavailable, events[0].Outcome)
+			assert.Equal(t, idemserver.OutcomeCanceled, events[0].Outcome)
 			assert.ErrorIs(t, events[0].Err, tt.want)
 			assert.NotErrorIs(t, events[0].Err, ErrPoolTimeout)
 

@@ -1,0 +1,112 @@
+package idemserver
+
+import (
+	"context"
+	"sync"
+	"time"
+)
+
+// callContext is the context of one store call: its parent, ended at the
+// call's deadline too (see [WithStoreTimeout]), as context.WithDeadline
+// would make it, until stop is called; from then on it is its parent
+// again, so that a context a store derived from it and handed back (see
+// [ClaimResult.Context]) does not end at a deadline meant for the claim.
+//
+// context.WithDeadline costs allocations on every call, for a timer that a
+// store that never waits (the MemoryStore, which only asks Err) has no use
+// for. So the context makes its Done channel, and the timer that closes it
+// at the deadline, only when Done is first called; until then Err compares
+// the clock with the deadline. A callContext whose Done was asked for, or
+// that a store handed back, may still be watched after the call, and is
+// not reused (see buffers.storeCall).
+type callContext struct {
+	parent   context.Context
+	deadline time.Time
+
+	mu      sync.Mutex
+	done    chan struct{} // made by the first Done
+	err     error         // set once the context has ended
+	timer   *time.Timer   // closes done at the deadline
+	stopped bool          // the call has ended: the context is its parent
+}
+
+// start readies c for a call under parent that must end by deadline.
+func (c *callContext) start(parent context.Context, deadline time.Time) {
+	*c = callContext{parent: parent, deadline: deadline}
+}
+
+// stop ends the call's deadline: c is its parent from now on. It reports
+// whether c may be used for another call, which it may not once a store
+// could be watching it.
+func (c *callContext) stop() (reusable bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.stopped = true
+	if c.timer != nil {
+		c.timer.Stop()
+	}
+	return c.done == nil
+}
+
+func (c *callContext) Deadline() (time.Time, bool) {
+	d, ok := c.parent.Deadline()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.stopped && (!ok || c.deadline.Before(d)) {
+		return c.deadline, true
+	}
+	return d, ok
+}
+
+func (c *callContext) Done() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.done != nil {
+		return c.done
+	}
+	if c.stopped && c.err == nil {
+		return c.parent.Done()
+	}
+	c.done = make(chan struct{})
+	if c.err != nil {
+		close(c.done)
+		return c.done
+	}
+	c.timer = time.AfterFunc(time.Until(c.deadline), func() { c.end(context.DeadlineExceeded) })
+	if c.parent.Done() != nil {
+		// Registered until the parent ends, which a request's context
+		// does when the request ends.
+		context.AfterFunc(c.parent, func() { c.end(c.parent.Err()) })
+	}
+	return c.done
+}
+
+func (c *callContext) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		if err := c.parent.Err(); err != nil {
+			c.endLocked(err)
+		} else if !c.stopped && !time.Now().Before(c.deadline) {
+			c.endLocked(context.DeadlineExceeded)
+		}
+	}
+	return c.err
+}
+
+func (c *callContext) Value(key any) any { return c.parent.Value(key) }
+
+func (c *callContext) end(err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil && (!c.stopped || err != context.DeadlineExceeded) {
+		c.endLocked(err)
+	}
+}
+
+func (c *callContext) endLocked(err error) {
+	c.err = err
+	if c.done != nil {
+		close(c.done)
+	}
+}
