@@ -11,6 +11,7 @@ import (
 	"net/textproto"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // idempotentMethod reports whether RFC 9110 section 9.2.2 defines method as
@@ -25,9 +26,11 @@ func idempotentMethod(method string) bool {
 }
 
 // retryableStatus reports whether a response with this status may succeed
-// if the request is sent again. A 409 qualifies only with Retry-After, the
-// way an idempotency-aware server says "the first request with this key is
-// still in progress"; any other 409 is a real conflict.
+// if the request is sent again. A 409 qualifies only with a valid
+// Retry-After, the way an idempotency-aware server says "the first request
+// with this key is still in progress"; any other 409 is a real conflict. A
+// Retry-After that does not parse is ignored, as it is for the wait, so a
+// 409 carrying only such a value is a conflict too.
 func retryableStatus(code int, header http.Header) bool {
 	switch code {
 	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests,
@@ -35,7 +38,9 @@ func retryableStatus(code int, header http.Header) bool {
 		http.StatusServiceUnavailable, http.StatusGatewayTimeout:
 		return true
 	case http.StatusConflict:
-		return header.Get("Retry-After") != ""
+		// Validity does not depend on the time: any instant will do.
+		_, ok := ParseRetryAfter(header.Get("Retry-After"), time.Time{})
+		return ok
 	}
 	return false
 }

@@ -38,6 +38,7 @@ func TestOperationKeyLifecycle(t *testing.T) {
 		{"retried then 2xx releases", []func(http.ResponseWriter, *http.Request){status(503), status(200)}, false},
 		{"non-retryable 4xx releases", []func(http.ResponseWriter, *http.Request){status(422)}, false},
 		{"plain 409 releases", []func(http.ResponseWriter, *http.Request){status(409)}, false},
+		{"409 with an invalid Retry-After releases", []func(http.ResponseWriter, *http.Request){status(409, "Retry-After", "later")}, false},
 		{"exhausted 5xx stays pending", []func(http.ResponseWriter, *http.Request){status(503)}, true},
 		{"exhausted 429 stays pending", []func(http.ResponseWriter, *http.Request){status(429)}, true},
 		{"exhausted in-progress 409 stays pending", []func(http.ResponseWriter, *http.Request){status(409, "Retry-After", "0")}, true},

@@ -32,6 +32,10 @@ func TestStatusRetries(t *testing.T) {
 		{429, "0", true}, {503, "0", true},
 		{409, "0", true}, // "still in progress"
 		{409, "", false}, // a real conflict
+		// A Retry-After that is not valid is ignored, so the 409 carries
+		// none: a real conflict too.
+		{409, "soon", false}, {409, "-1", false}, {409, "1.5", false}, {409, "0, 1", false},
+		{409, "Sun, 06 Nov 1994 08:49:37 GMT", true}, // an HTTP-date, passed
 		{400, "", false}, {401, "", false}, {403, "", false}, {404, "", false},
 		{410, "", false}, {422, "", false}, {501, "", false}, {505, "", false},
 		{400, "0", false}, {200, "", false}, {201, "", false}, {302, "", false},

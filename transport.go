@@ -683,6 +683,14 @@ func (c *call) attempt(n int) outcome {
 	}
 	var watch *bodyWatch
 	if c.watchBody && body != nil && body != http.NoBody {
+		// The base transport gets a GetBody only if the caller gave one.
+		// net/http's HTTP/2 sends a request again by itself after a stream
+		// reset that does not prove the server did nothing (PROTOCOL_ERROR),
+		// whenever it can rewind the body: the copy the Transport buffered
+		// must not let it resend a request that net/http alone would not.
+		if c.req.GetBody == nil {
+			getBody = nil
+		}
 		watch = newBodyWatch(body, getBody)
 		body = &watch.first
 		if getBody != nil {
