@@ -32,6 +32,9 @@ const (
 	soakEnvSeeds  = "IDEMTEST_SOAK"
 	soakEnvFrom   = "IDEMTEST_SOAK_FROM"
 	soakMaxRounds = 200
+	// soakResumeFor bounds the resume rounds in time too: after a server
+	// crash, the claims it left hold their keys until their leases end.
+	soakResumeFor = 30 * time.Second
 )
 
 // soakFaults harms most requests, with every fault the injector knows.
@@ -65,6 +68,12 @@ type soakConfig struct {
 	server   []idemserver.Option // the middleware's options
 }
 
+// soakLease is the lease of the middleware over a shared store: claims a
+// crashed server leaves hold their keys this long, and a live handler's
+// renewal, every third of it, has the rest of it to spare on a loaded
+// machine.
+const soakLease = 2 * time.Second
+
 // soakPayment is what the client saw of one payment, across its calls.
 type soakPayment struct {
 	final  bool   // a 201 was returned and its key released
@@ -80,6 +89,16 @@ type soakPayment struct {
 // executed exactly once, every 201 a payer saw (whole or the part it read)
 // must be the answer the handler gave, and no operation may be left
 // pending or finished without its 201 having reached the payer.
+//
+// It runs over each store of soakBackends: the MemoryStore behind one
+// server, and, two servers sharing it, the MemoryStore, pgstore in lease
+// and in transactional mode and redisstore, the last three when
+// IDEMHTTP_TEST_POSTGRES_DSN and IDEMHTTP_TEST_REDIS_ADDR name their
+// servers. Over a shared store, requests are spread across the servers,
+// and one crashes halfway through the first pass, with requests in flight,
+// and another starts in its place (see soakInstance for what a crash is
+// here). In transactional mode the charge is a row written through
+// pgstore.Tx, so that exactly once is checked against the database.
 func TestSoakExactlyOnce(t *testing.T) {
 	seeds, from := soakSeeds, int64(1)
 	if v := os.Getenv(soakEnvSeeds); v != "" {
@@ -109,55 +128,69 @@ func TestSoakExactlyOnce(t *testing.T) {
 		configs = append(configs, soakConfig{"concurrent/wait in flight, short lease", 8, readModes, 0,
 			[]idemserver.Option{idemserver.WithWaitInFlight(50 * time.Millisecond), idemserver.WithLease(100 * time.Millisecond)}})
 	}
-	for seed := from; seed < from+int64(seeds); seed++ {
-		for _, cfg := range configs {
-			t.Run(fmt.Sprintf("seed=%d/%s", seed, cfg.name), func(t *testing.T) {
-				soak(t, seed, cfg)
-			})
-		}
+	for _, b := range soakBackends() {
+		t.Run(b.name, func(t *testing.T) {
+			b.skipUnset(t)
+			for seed := from; seed < from+int64(seeds); seed++ {
+				for _, cfg := range b.configs(configs) {
+					t.Run(fmt.Sprintf("seed=%d/%s", seed, cfg.name), func(t *testing.T) {
+						soak(t, seed, cfg, b)
+					})
+				}
+			}
+		})
 	}
 }
 
-func soak(t *testing.T, seed int64, cfg soakConfig) {
+func soak(t testing.TB, seed int64, cfg soakConfig, b soakBackend) {
+	store, effects := b.open(t)
+	if b.wrap != nil {
+		store = b.wrap(store)
+	}
 	// The handler charges, and answers with a receipt no other run gives,
 	// so that a second run or a wrong replay shows in the body.
-	var (
-		mu       sync.Mutex
-		receipts = map[string][]string{} // operation -> receipts given
-		runs     atomic.Int64
-	)
-	charge := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			w.WriteHeader(http.StatusBadRequest)
-			return
-		}
-		op := string(body)
-		run := runs.Add(1)
-		if run%7 == 0 {
-			// A slow charge outlasts the client's attempt timeout: its
-			// retries meet the key in progress, and it answers once its
-			// client has gone.
-			time.Sleep(150 * time.Millisecond)
-		}
-		// Long enough that a cut body and a partial read both bite.
-		receipt := fmt.Sprintf("receipt %d for %s;%s", run, op, strings.Repeat("x", 512))
-		mu.Lock()
-		receipts[op] = append(receipts[op], receipt)
-		mu.Unlock()
-		w.Header().Set("Content-Type", "text/plain")
-		w.WriteHeader(http.StatusCreated)
-		_, _ = io.WriteString(w, receipt)
+	var runs atomic.Int64
+	charge := func(inst *soakInstance) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			defer inst.handling()()
+			body, err := io.ReadAll(r.Body)
+			if err != nil {
+				w.WriteHeader(http.StatusBadRequest)
+				return
+			}
+			op := string(body)
+			run := runs.Add(1)
+			if run%7 == 0 {
+				// A slow charge outlasts the client's attempt timeout: its
+				// retries meet the key in progress, and it answers once its
+				// client has gone.
+				time.Sleep(150 * time.Millisecond)
+			}
+			// Long enough that a cut body and a partial read both bite. A
+			// crashed server does not act (see soakInstance).
+			receipt := fmt.Sprintf("receipt %d for %s;%s", run, op, strings.Repeat("x", 512))
+			if err := inst.act(r, func() error { return effects.charge(r, op, receipt) }); err != nil {
+				w.WriteHeader(http.StatusServiceUnavailable)
+				return
+			}
+			w.Header().Set("Content-Type", "text/plain")
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, receipt)
+		})
+	}
+	cluster := newSoakCluster(t, store, b.instances(), func(inst *soakInstance) *idemtest.Server {
+		return idemtest.NewServer(charge(inst), idemtest.WithSeed(seed), idemtest.WithFaults(soakFaults),
+			idemtest.WithStore(inst.store), idemtest.WithMiddleware(append(b.server(), cfg.server...)...))
 	})
-	srv := idemtest.NewServer(charge, idemtest.WithSeed(seed), idemtest.WithFaults(soakFaults),
-		idemtest.WithMiddleware(cfg.server...))
-	defer srv.Close()
+	defer cluster.close()
 
 	var statusMu sync.Mutex
 	statuses := map[int]int{} // attempts per status, 0 for errors
+	sent := map[string]bool{} // operations with an attempt made
 	countAttempt := func(a idemhttp.Attempt) {
 		statusMu.Lock()
 		statuses[a.StatusCode]++
+		sent[a.Operation] = true
 		statusMu.Unlock()
 	}
 
@@ -166,7 +199,7 @@ func soak(t *testing.T, seed int64, cfg soakConfig) {
 	newClient := func(ks idemhttp.KeyStore) *http.Client {
 		gen := generation.Add(1)
 		var n atomic.Int64
-		return srv.Client(
+		return cluster.client(
 			idemhttp.WithKeyStore(ks),
 			idemhttp.WithMaxAttempts(3),
 			idemhttp.WithBackoff(idemhttp.FullJitter(100*time.Microsecond, time.Millisecond)),
@@ -198,7 +231,7 @@ func soak(t *testing.T, seed int64, cfg soakConfig) {
 			defer cancel()
 		}
 		req, err := http.NewRequestWithContext(idemhttp.WithOperation(ctx, op),
-			http.MethodPost, srv.URL+"/payments", strings.NewReader(op))
+			http.MethodPost, cluster.url+"/payments", strings.NewReader(op))
 		if err != nil { // pay runs on a worker goroutine: no FailNow
 			t.Error(err)
 			return
@@ -229,7 +262,9 @@ func soak(t *testing.T, seed int64, cfg soakConfig) {
 		p.whole = mode == readAll && readErr == nil
 		p.final = readErr == nil
 	}
-	runPass := func(client *http.Client, ops []int, mode readMode) {
+	// runPass pays ops on cfg.workers goroutines; midway, if set, runs
+	// once half of them have been handed out, with the rest in flight.
+	runPass := func(client *http.Client, ops []int, mode readMode, midway func()) {
 		work := make(chan int)
 		var wg sync.WaitGroup
 		for range cfg.workers {
@@ -239,14 +274,18 @@ func soak(t *testing.T, seed int64, cfg soakConfig) {
 				}
 			})
 		}
-		for _, i := range ops {
+		for n, i := range ops {
+			if n == len(ops)/2 && midway != nil {
+				midway()
+			}
 			work <- i
 		}
 		close(work)
 		wg.Wait()
 	}
 
-	// The first client pays every payment once.
+	// The first client pays every payment once; with a restart, one
+	// server crashes halfway through and another takes its place.
 	ks, err := idemhttp.OpenFileKeyStore(path)
 	require.NoError(t, err)
 	client := newClient(ks)
@@ -254,46 +293,68 @@ func soak(t *testing.T, seed int64, cfg soakConfig) {
 	for i := range all {
 		all[i] = i
 	}
-	runPass(client, all, cfg.mode)
+	var midway func()
+	if b.shared {
+		midway = cluster.restart
+	}
+	runPass(client, all, cfg.mode, midway)
 	client.CloseIdleConnections()
 	require.NoError(t, ks.Close())
 
-	// Restarted clients resume what their key store lists as pending.
+	// Restarted clients resume what their key store lists as pending. A
+	// call whose deadline came before its key was recorded sent nothing
+	// and failed, and left nothing pending: its payer pays again.
 	index := make(map[string]int, soakOps)
 	for i := range soakOps {
 		index[opName(i)] = i
 	}
-	rounds := 0
+	rounds, resumed, last := 0, time.Now(), soakOps
 	for ; ; rounds++ {
 		ks, err := idemhttp.OpenFileKeyStore(path)
 		require.NoError(t, err)
 		pending, err := ks.Pending(t.Context())
 		require.NoError(t, err)
-		if len(pending) == 0 || rounds == soakMaxRounds {
-			require.NoError(t, ks.Close())
-			require.Empty(t, pending, "operations still pending after %d rounds", rounds)
-			break
-		}
 		ops := make([]int, 0, len(pending))
+		isPending := make(map[int]bool, len(pending))
 		for _, p := range pending {
 			i, ok := index[p.Operation]
 			require.True(t, ok, "pending operation %q was never paid", p.Operation)
 			ops = append(ops, i)
+			isPending[i] = true
 		}
+		statusMu.Lock()
+		for i := range soakOps {
+			// A key is released only on an outcome, which takes an
+			// attempt; one pending may have had none yet.
+			if !payments[i].final && !sent[opName(i)] && !isPending[i] {
+				ops = append(ops, i)
+			}
+		}
+		statusMu.Unlock()
+		if len(ops) == 0 || (rounds >= soakMaxRounds && time.Since(resumed) > soakResumeFor) {
+			require.NoError(t, ks.Close())
+			require.Empty(t, pending, "operations still pending after %d rounds", rounds)
+			break
+		}
+		if len(ops) == last {
+			// Nothing settled last round: the keys may be held by claims
+			// of a crashed server until their leases end.
+			time.Sleep(10 * time.Millisecond)
+		}
+		last = len(ops)
 		client := newClient(ks)
-		runPass(client, ops, cfg.mode)
+		runPass(client, ops, cfg.mode, nil)
 		client.CloseIdleConnections()
 		require.NoError(t, ks.Close())
 	}
-	srv.Close() // lets every run end before the ledger is read
+	cluster.close() // lets every run end before the ledgers are read
 
-	ok := srv.AssertExactlyOnce(t, soakOps)
-	mu.Lock()
-	defer mu.Unlock()
+	ok := cluster.assertExactlyOnce(t, soakOps)
+	receipts := effects.receipts(t)
 	for i := range soakOps {
 		op, p := opName(i), payments[i]
 		got := receipts[op]
-		if !assert.Len(t, got, 1, "%s: receipts given", op) {
+		if !assert.Len(t, got, 1, "%s: receipts given (last status %d, 201 reached the payer: %t)", op, p.status, p.final) {
 			ok = false
 			continue
 		}
@@ -310,7 +371,7 @@ func soak(t *testing.T, seed int64, cfg soakConfig) {
 		}
 	}
 	if !ok || testing.Verbose() {
-		t.Logf("seed %d, %s: %d resume rounds, stats %+v, attempts by status %v",
-			seed, cfg.name, rounds, srv.Stats(), statuses)
+		t.Logf("seed %d, %s over %s: %d resume rounds, %d claims lost in a crash, stats %+v, attempts by status %v",
+			seed, cfg.name, b.name, rounds, cluster.lost(), cluster.stats(), statuses)
 	}
 }
