@@ -24,9 +24,9 @@ import (
 // [WithMethods] says otherwise) and that carries a key, the middleware
 // reads the body (up to [WithMaxBodyBytes]; 413 beyond it), restores it for
 // the handler, and takes the request's fingerprint: its method, path, query
-// and body, and, when middleware in front of this one parsed its form and
-// so consumed its body, that form (fields and files, within the same
-// limit). Middleware in front that reads the body in any other way must
+// and body, and, when middleware in front of this one parsed its form (and
+// so consumed its body, or, for a multipart form, the body up to the form's
+// end), that form (fields and files, within the same limit). Middleware in front that reads the body in any other way must
 // restore it: one it consumed reads as empty, and requests that differ only
 // in it share a fingerprint. Then it claims the key in the store with the
 // fingerprint:
@@ -304,8 +304,10 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		bufs.reqBody = body
 	}
 	var form []byte
-	if len(body) == 0 && (r.PostForm != nil || r.MultipartForm != nil) {
-		// A middleware in front parsed the form, and read its body.
+	if r.PostForm != nil || r.MultipartForm != nil {
+		// A middleware in front parsed the form, and read its body: all of
+		// it, or, for a multipart form, up to its closing boundary, so
+		// that what the middleware read is only what followed.
 		form, err = parsedForm(r, cfg.maxBody)
 		switch {
 		case errors.Is(err, errBodyTooLarge):

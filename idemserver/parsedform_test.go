@@ -2,6 +2,7 @@ package idemserver
 
 import (
 	"bytes"
+	"io"
 	"mime/multipart"
 	"net/http"
 	"strings"
@@ -105,4 +106,35 @@ func TestFormParsedInFrontLimit(t *testing.T) {
 	w = serve(h, multipartForm(t, "10", "r1")())
 	assert.Equal(t, http.StatusCreated, w.Code, w.Body.String())
 	assert.Equal(t, 1, calls, "handler runs")
+}
+
+// TestFormParsedInFrontBodyLeft checks that a form parsed in front counts
+// when the body was not all consumed: a multipart reader stops at the
+// closing boundary and leaves what follows it (an epilogue) unread, so the
+// middleware reads only that. Two requests whose forms differ but whose
+// epilogues are the same must still be told apart.
+func TestFormParsedInFrontBodyLeft(t *testing.T) {
+	epilogue := "\r\n" + strings.Repeat("e", 64<<10)
+	withEpilogue := func(amount string) func() *http.Request {
+		return func() *http.Request {
+			r := multipartForm(t, amount, "")()
+			b, err := io.ReadAll(r.Body)
+			require.NoError(t, err)
+			r.Body = io.NopCloser(strings.NewReader(string(b) + epilogue))
+			r.ContentLength = int64(len(b) + len(epilogue))
+			return r
+		}
+	}
+	calls := 0
+	h := parseFormInFront(Middleware(nil)(formHandler(&calls)))
+	first := serve(h, withEpilogue("10")())
+	require.Equal(t, http.StatusCreated, first.Code, first.Body.String())
+	require.Equal(t, "charged 10", first.Body.String())
+	// An amount as long, so that as much of the epilogue is left.
+	w := serve(h, withEpilogue("90")())
+	decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
+	assert.Equal(t, 1, calls, "handler runs")
+	w = serve(h, withEpilogue("10")())
+	assert.Equal(t, "true", w.Header().Get(ReplayedHeader))
+	assert.Equal(t, first.Body.String(), w.Body.String())
 }
