@@ -12,6 +12,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 )
@@ -689,11 +690,27 @@ func ReleasesStatus(status int) bool {
 // it on from such a service behind it, as a gateway does, has no outcome
 // yet: stored, it would answer every retry "in progress" long after the
 // service finished.
+//
+// Field names match in any case, as a client reads them: net/http sends a
+// field set straight into the map under a name that is not canonical, such
+// as "retry-after", as it was set.
 func ReleasesResponse(status int, h http.Header) bool {
 	if status == http.StatusConflict {
-		return h.Get("Retry-After") != ""
+		return h.Get("Retry-After") != "" || nonCanonicalRetryAfter(h)
 	}
 	return ReleasesStatus(status)
+}
+
+// nonCanonicalRetryAfter reports whether h holds a Retry-After field with a
+// value under a name other than the canonical one. Only a 409 without the
+// canonical field looks, so no other response pays for the scan.
+func nonCanonicalRetryAfter(h http.Header) bool {
+	for name, values := range h {
+		if len(values) > 0 && values[0] != "" && len(name) == len("Retry-After") && strings.EqualFold(name, "Retry-After") {
+			return true
+		}
+	}
+	return false
 }
 
 // reject answers with a problem of type typ and reports it, with the

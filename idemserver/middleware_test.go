@@ -703,16 +703,26 @@ func TestReleasesResponse(t *testing.T) {
 		status     int
 		retryAfter string
 		releases   bool
+		field      string // the name the field is set under, not canonicalised; "" for Retry-After
 	}{
-		{"conflict", http.StatusConflict, "", false},
-		{"conflict with Retry-After", http.StatusConflict, "1", true},
-		{"created with Retry-After", http.StatusCreated, "1", false},
-		{"too many requests", http.StatusTooManyRequests, "", true},
-		{"server error with Retry-After", http.StatusServiceUnavailable, "1", true},
+		{"conflict", http.StatusConflict, "", false, ""},
+		{"conflict with Retry-After", http.StatusConflict, "1", true, ""},
+		{"created with Retry-After", http.StatusCreated, "1", false, ""},
+		{"too many requests", http.StatusTooManyRequests, "", true, ""},
+		{"server error with Retry-After", http.StatusServiceUnavailable, "1", true, ""},
+		// net/http sends a field set straight into the map under the name
+		// it was set by, and a client reads it in any case.
+		{"conflict with retry-after set in the map", http.StatusConflict, "1", true, "retry-after"},
+		{"conflict with RETRY-AFTER set in the map", http.StatusConflict, "1", true, "RETRY-AFTER"},
+		{"conflict with an empty retry-after", http.StatusConflict, "", false, "retry-after"},
+		{"conflict with another field set in the map", http.StatusConflict, "1", false, "retry-later"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := http.Header{}
-			if tt.retryAfter != "" {
+			switch {
+			case tt.field != "":
+				h[tt.field] = []string{tt.retryAfter}
+			case tt.retryAfter != "":
 				h.Set("Retry-After", tt.retryAfter)
 			}
 			assert.Equal(t, tt.releases, ReleasesResponse(tt.status, h))
