@@ -107,6 +107,32 @@ func TestLeaseRenewedWhileHandlerRuns(t *testing.T) {
 	})
 }
 
+// TestLeaseBelowMinimum asks for leases too short to be renewed in time
+// (the lease keeper renews at most once a millisecond): each is MinLease,
+// so a handler that runs for several of them keeps its key, and a
+// duplicate sent meanwhile is told 409 rather than run again.
+func TestLeaseBelowMinimum(t *testing.T) {
+	for _, lease := range []time.Duration{time.Nanosecond, 100 * time.Microsecond, 2 * time.Millisecond, MinLease - 1} {
+		t.Run(lease.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				h := newRunFor(5*MinLease, false)
+				mw := Middleware(nil, WithLease(lease))(h)
+				first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				synctest.Wait()
+				for range 9 {
+					time.Sleep(MinLease / 2)
+					w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+					decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+				}
+				w := <-first
+				assert.Equal(t, http.StatusCreated, w.Code)
+				assert.Nil(t, h.cause.Load(), "the handler's context did not end")
+				assert.EqualValues(t, 1, h.calls.Load())
+			})
+		})
+	}
+}
+
 // TestDeadHandlerIsTakenOver leaves a claim made directly through the store,
 // as by a process that then died: nothing renews it, and once its lease has
 // ended the next request takes it over.

@@ -17,6 +17,11 @@ const (
 	// ending it (its process died) holds its key before another request
 	// may take it over. A running handler's lease is renewed.
 	DefaultLease = time.Minute
+	// MinLease is the shortest lease the middleware takes (see
+	// [WithLease]): the lease is renewed every third of it, and at most
+	// once a millisecond, so a shorter one could end before its renewal
+	// and be taken over while its handler runs.
+	MinLease = 10 * time.Millisecond
 	// DefaultMaxHold is how long one handler may hold its key, renewing
 	// its lease, before the middleware stops renewing it and cancels the
 	// handler's context.
@@ -123,13 +128,15 @@ func WithTTL(d time.Duration) Option {
 // request with its key takes it over and runs the handler again. So the
 // lease is how long a key waits after a crash, and it should be long enough
 // that a renewal can get through a short store outage. Values of zero or
-// less mean [DefaultLease].
+// less mean [DefaultLease], and other values below [MinLease] mean
+// MinLease: a lease the keeper could not renew before it ended would let
+// a live handler be taken over.
 func WithLease(d time.Duration) Option {
 	return func(c *config) {
 		if d <= 0 {
 			d = DefaultLease
 		}
-		c.lease = d
+		c.lease = max(d, MinLease)
 	}
 }
 
