@@ -491,6 +491,49 @@ func TestMiddlewareWithFullMemoryStore(t *testing.T) {
 	}
 }
 
+// A MemoryStore allowed to evict, behind a middleware without an observer,
+// which is the only one the middleware reports evictions to: dropping a
+// record would go unreported, so the store fails closed as if eviction
+// were not allowed, unless it reports evictions itself
+// (WithEvictionReport).
+func TestEvictionWithoutObserver(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		report bool
+	}{
+		{"fails closed", false},
+		{"evicts when the store reports it", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			var reported []Eviction
+			opts := []MemoryOption{WithShards(1), WithMaxEntries(2), WithEvictOldest()}
+			if tt.report {
+				opts = append(opts, WithEvictionReport(func(e Eviction) { reported = append(reported, e) }))
+			}
+			h := &countingHandler{}
+			mw := Middleware(NewMemoryStore(opts...), WithClock(clock.Now))(h)
+			for _, key := range []string{"a", "b"} {
+				require.Equal(t, http.StatusCreated, serve(mw, newRequest(http.MethodPost, "/x", key, "b")).Code)
+				clock.Advance(time.Minute)
+			}
+			w := serve(mw, newRequest(http.MethodPost, "/x", "c", "b"))
+			if !tt.report {
+				decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
+				assert.EqualValues(t, 2, h.calls.Load(), "the handler did not run")
+				for _, key := range []string{"a", "b"} {
+					replay := serve(mw, newRequest(http.MethodPost, "/x", key, "b"))
+					assert.Equal(t, "true", replay.Header().Get(ReplayedHeader), "%s was forgotten", key)
+				}
+				assert.EqualValues(t, 2, h.calls.Load(), "no handler ran again")
+				return
+			}
+			assert.Equal(t, http.StatusCreated, w.Code)
+			assert.Equal(t, []Eviction{{Key: Key{Key: "a"}, Age: 2 * time.Minute}}, reported)
+		})
+	}
+}
+
 // A TTL or lease of any size works: one that reaches past the year 2262
 // does not overflow into the past.
 func TestMiddlewareHugeDurations(t *testing.T) {

@@ -317,7 +317,9 @@ type PackedClaim struct {
 	// knowing what it will find, calls it first.
 	NewToken func() string
 	// IgnoreEvictions says that no one will look at the result's
-	// Evictions, so that the store need not list them.
+	// Evictions, so that the store need not list them. A store that
+	// reports evictions nowhere else must then drop no live record for
+	// the claim: the drop would go unreported.
 	IgnoreEvictions bool
 }
 
