@@ -277,15 +277,16 @@ func WithObserver(observe func(Event)) Option {
 }
 
 // keyed reports whether requests with method are deduplicated (see
-// [WithMethods]). The exact match comes first, so that a keyed method
-// spelled as usual costs one map lookup.
+// [WithMethods], which keeps the methods in upper case). A method spelled
+// as usual costs one map lookup, keyed or not: only one with a lower-case
+// letter is looked up again in upper case.
 func (c *config) keyed(method string) bool {
 	if c.methods[method] {
 		return true
 	}
-	for m := range c.methods {
-		if strings.EqualFold(m, method) {
-			return true
+	for i := range len(method) {
+		if 'a' <= method[i] && method[i] <= 'z' {
+			return c.methods[strings.ToUpper(method)]
 		}
 	}
 	return false
