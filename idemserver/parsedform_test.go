@@ -5,6 +5,7 @@ import (
 	"io"
 	"mime/multipart"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 
@@ -137,4 +138,33 @@ func TestFormParsedInFrontBodyLeft(t *testing.T) {
 	w = serve(h, withEpilogue("10")())
 	assert.Equal(t, "true", w.Header().Get(ReplayedHeader))
 	assert.Equal(t, first.Body.String(), w.Body.String())
+}
+
+// TestFormParsedInFrontFilesOnDisk parses forms in front with little
+// memory, so that their files are kept in temporary files: the fingerprint
+// reads them from there, and tells files of one size apart by content.
+func TestFormParsedInFrontFilesOnDisk(t *testing.T) {
+	front := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			require.NoError(t, r.ParseMultipartForm(1))
+			defer func() { _ = r.MultipartForm.RemoveAll() }()
+			for _, fh := range r.MultipartForm.File["receipt"] {
+				f, err := fh.Open()
+				require.NoError(t, err)
+				_, onDisk := f.(*os.File)
+				require.NoError(t, f.Close())
+				require.True(t, onDisk, "the file is on disk")
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	calls := 0
+	h := front(Middleware(nil)(formHandler(&calls)))
+	first := serve(h, multipartForm(t, "10", strings.Repeat("a", 64<<10))())
+	require.Equal(t, http.StatusCreated, first.Code, first.Body.String())
+	w := serve(h, multipartForm(t, "10", strings.Repeat("a", 64<<10))())
+	assert.Equal(t, "true", w.Header().Get(ReplayedHeader))
+	w = serve(h, multipartForm(t, "10", strings.Repeat("a", 64<<10-1)+"b")())
+	decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
+	assert.Equal(t, 1, calls, "handler runs")
 }
