@@ -122,7 +122,7 @@ func WithMaxBytes(n int64) MemoryOption {
 // its observer in [Event.Evictions], and to [WithEvictionReport]'s
 // function. No drop goes unreported: for a claim whose evictions no one
 // would see (a middleware without [WithObserver], which sets
-// [PackedClaim.IgnoreEvictions]), a store without WithEvictionReport drops
+// [Claim.IgnoreEvictions]), a store without WithEvictionReport drops
 // nothing live and fails with [ErrStoreFull], as without this option, which
 // is what a full store does: it refuses new keys.
 func WithEvictOldest() MemoryOption {

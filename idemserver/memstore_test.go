@@ -453,11 +453,15 @@ func TestMiddlewareWithFullMemoryStore(t *testing.T) {
 		evict            bool
 		observe, report  bool
 		evictsReportedTo string // "" when the store fails closed
+		wrapped          bool   // in a Store that is not a PackedStore
 	}{
-		{"fails closed by default", false, true, false, ""},
-		{"evicts and reports when allowed", true, true, false, "observer"},
-		{"fails closed when allowed but no one would hear of it", true, false, false, ""},
-		{"evicts when the store reports it", true, false, true, "store"},
+		{"fails closed by default", false, true, false, "", false},
+		{"evicts and reports when allowed", true, true, false, "observer", false},
+		{"evicts and reports when allowed, wrapped", true, true, false, "observer", true},
+		{"fails closed when allowed but no one would hear of it", true, false, false, "", false},
+		{"fails closed when allowed but no one would hear of it, wrapped", true, false, false, "", true},
+		{"evicts when the store reports it", true, false, true, "store", false},
+		{"evicts when the store reports it, wrapped", true, false, true, "store", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := newFakeClock()
@@ -474,8 +478,12 @@ func TestMiddlewareWithFullMemoryStore(t *testing.T) {
 			if tt.observe {
 				mwOpts = append(mwOpts, WithObserver(func(e Event) { events = append(events, e) }))
 			}
+			var store Store = NewMemoryStore(opts...)
+			if tt.wrapped {
+				store = &stubStore{MemoryStore: store.(*MemoryStore)}
+			}
 			h := &countingHandler{}
-			mw := Middleware(NewMemoryStore(opts...), mwOpts...)(h)
+			mw := Middleware(store, mwOpts...)(h)
 			for _, key := range []string{"a", "b"} {
 				require.Equal(t, http.StatusCreated, serve(mw, newRequest(http.MethodPost, "/x", key, "b")).Code)
 				clock.Advance(time.Minute)

@@ -357,7 +357,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		if cfg.ownClock {
 			sent = time.Now()
 		}
-		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease)}
+		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease), IgnoreEvictions: cfg.observe == nil}
 	}
 	c := newClaim()
 	res, err := m.claimIn(ctx, &c, false, "")
@@ -442,7 +442,7 @@ func (m *handler) claimIn(ctx context.Context, c *Claim, takeOver bool, expiredT
 		// that a replay costs none.
 		res, err := m.packed.ClaimPacked(ctx, PackedClaim{
 			Claim: *c, TakeOver: takeOver, ExpiredToken: expiredToken,
-			NewToken: m.newToken, IgnoreEvictions: m.cfg.observe == nil,
+			NewToken: m.newToken,
 		})
 		c.Token = res.Token
 		return res, err
