@@ -14,9 +14,9 @@ import (
 
 // A Fingerprint identifies the content of a request: a SHA-256 digest of its
 // method, path, query and body (and, for a body that middleware in front of
-// the idempotency middleware parsed as a form, that form).
-// Two requests that carry the same key must
-// have the same fingerprint; otherwise the second is refused with 422.
+// the idempotency middleware parsed as a form, that form). Two requests that
+// carry the same key must have the same fingerprint; otherwise the second
+// is refused with 422.
 type Fingerprint [sha256.Size]byte
 
 // String returns the fingerprint in lower-case hexadecimal.
@@ -74,11 +74,11 @@ func appendField(b []byte, s string) []byte {
 // its token), which consumes a form body: the middleware then reads no
 // body, or only what followed a multipart form's closing boundary, and the
 // handler reads the form from the request instead (and whatever body is
-// left, which the fingerprint covers too). The
-// encoding holds the fields the handler reads, sorted by name, and the
-// uploaded files, with their contents, so that two requests with different
-// forms do not share a fingerprint. It is nil for a request whose form was
-// not parsed or is empty, and fails with errBodyTooLarge past max bytes.
+// left, which the fingerprint covers too). The encoding holds the fields
+// the handler reads, sorted by name, and the uploaded files, with their
+// contents, so that two requests with different forms do not share a
+// fingerprint. It is nil for a request whose form was not parsed or is
+// empty, and fails with errBodyTooLarge past max bytes.
 func parsedForm(r *http.Request, max int64) ([]byte, error) {
 	if len(r.PostForm) == 0 && (r.MultipartForm == nil || len(r.MultipartForm.File) == 0) {
 		return nil, nil
