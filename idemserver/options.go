@@ -271,7 +271,10 @@ func WithClock(now func() time.Time) Option {
 // WithObserver sets a function called once for every request with a keyed
 // method, with what the middleware did, for logs and metrics. It is called
 // on the request's goroutine after the response is written (for a handler
-// that panicked, before the panic goes on) and must not block.
+// that panicked, before the panic goes on) and must not block. Without an
+// observer, no one hears of records a store drops early to make room
+// ([Event.Evictions]), so the middleware tells the store, in
+// [Claim.IgnoreEvictions], to drop none it does not report otherwise.
 func WithObserver(observe func(Event)) Option {
 	return func(c *config) { c.observe = observe }
 }
