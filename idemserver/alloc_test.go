@@ -36,7 +36,9 @@ func TestRequestAllocs(t *testing.T) {
 	for i := range keys {
 		keys[i] = []string{"key-" + strconv.Itoa(i)}
 	}
-	store := NewMemoryStore(WithMaxEntries(100), WithShards(4), WithEvictOldest())
+	evictions := 0
+	store := NewMemoryStore(WithMaxEntries(100), WithShards(4), WithEvictOldest(),
+		WithEvictionReport(func(Eviction) { evictions++ }))
 	h := Middleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.WriteHeader(http.StatusCreated)
@@ -64,6 +66,7 @@ func TestRequestAllocs(t *testing.T) {
 		n++
 	})
 	assert.LessOrEqual(t, newKey, 6.0, "a new key")
+	assert.Equal(t, n-100, evictions, "each new key past the store's bound evicts one")
 	replay := testing.AllocsPerRun(runs, func() { serveKey(keys[n-1]) })
 	assert.LessOrEqual(t, replay, 2.0, "a replay")
 }

@@ -45,7 +45,7 @@ func BenchmarkMiddleware(b *testing.B) {
 			newKey bool
 		}{
 			{"bare", benchHandler, true},
-			{"new-key", Middleware(NewMemoryStore(WithMaxEntries(100_000), WithEvictOldest()))(benchHandler), true},
+			{"new-key", Middleware(NewMemoryStore(WithMaxEntries(100_000), WithEvictOldest(), WithEvictionReport(func(Eviction) {})))(benchHandler), true},
 			{"replay", Middleware(nil)(benchHandler), false},
 		} {
 			name := "path=" + bm.name

@@ -13,10 +13,10 @@ import (
 )
 
 // A Fingerprint identifies the content of a request: a SHA-256 digest of its
-// method, path, query and body (or, for a body that middleware in front of
-// the idempotency middleware consumed by parsing it as a form, that form).
-// Two requests that carry the same key must
-// have the same fingerprint; otherwise the second is refused with 422.
+// method, path, query and body (and, for a body that middleware in front of
+// the idempotency middleware parsed as a form, that form). Two requests that
+// carry the same key must have the same fingerprint; otherwise the second
+// is refused with 422.
 type Fingerprint [sha256.Size]byte
 
 // String returns the fingerprint in lower-case hexadecimal.
@@ -72,11 +72,13 @@ func appendField(b []byte, s string) []byte {
 // parsedForm returns an encoding of the form of a request whose form a
 // middleware in front of this one parsed (CSRF middleware does, to find
 // its token), which consumes a form body: the middleware then reads no
-// body, and the handler reads the form from the request instead. The
-// encoding holds the fields the handler reads, sorted by name, and the
-// uploaded files, with their contents, so that two requests with different
-// forms do not share a fingerprint. It is nil for a request whose form was
-// not parsed or is empty, and fails with errBodyTooLarge past max bytes.
+// body, or only what followed a multipart form's closing boundary, and the
+// handler reads the form from the request instead (and whatever body is
+// left, which the fingerprint covers too). The encoding holds the fields
+// the handler reads, sorted by name, and the uploaded files, with their
+// contents, so that two requests with different forms do not share a
+// fingerprint. It is nil for a request whose form was not parsed or is
+// empty, and fails with errBodyTooLarge past max bytes.
 func parsedForm(r *http.Request, max int64) ([]byte, error) {
 	if len(r.PostForm) == 0 && (r.MultipartForm == nil || len(r.MultipartForm.File) == 0) {
 		return nil, nil

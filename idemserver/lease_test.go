@@ -84,27 +84,39 @@ func serveAsync(h http.Handler, r *http.Request) <-chan *httptest.ResponseRecord
 
 // TestLeaseRenewedWhileHandlerRuns runs a handler for ten leases: its lease
 // is renewed throughout, so every duplicate meanwhile is told 409, the
-// handler runs once and its context never ends.
+// handler runs once and its context never ends. Leases asked for below
+// MinLease, too short to be renewed in time (the keeper renews at most once
+// a millisecond), are MinLease, and renewed as well.
 func TestLeaseRenewedWhileHandlerRuns(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		h := newRunFor(10*testLease, false)
-		mw := Middleware(nil, WithLease(testLease))(h)
-		first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
-		synctest.Wait()
-		for range 19 {
-			time.Sleep(testLease / 2)
-			w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
-			decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
-		}
-		w := <-first
-		assert.Equal(t, http.StatusCreated, w.Code)
-		assert.Equal(t, "call 1", w.Body.String())
-		assert.Nil(t, h.cause.Load(), "the handler's context did not end")
-		retry := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
-		assert.Equal(t, "true", retry.Header().Get(ReplayedHeader))
-		assert.Equal(t, "call 1", retry.Body.String())
-		assert.EqualValues(t, 1, h.calls.Load())
-	})
+	for _, tt := range []struct{ asked, lease time.Duration }{
+		{testLease, testLease},
+		{time.Nanosecond, MinLease},
+		{100 * time.Microsecond, MinLease},
+		{2 * time.Millisecond, MinLease},
+		{MinLease - 1, MinLease},
+	} {
+		t.Run(tt.asked.String(), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				h := newRunFor(10*tt.lease, false)
+				mw := Middleware(nil, WithLease(tt.asked))(h)
+				first := serveAsync(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				synctest.Wait()
+				for range 19 {
+					time.Sleep(tt.lease / 2)
+					w := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+					decodeProblem(t, w, ProblemInProgress, http.StatusConflict)
+				}
+				w := <-first
+				assert.Equal(t, http.StatusCreated, w.Code)
+				assert.Equal(t, "call 1", w.Body.String())
+				assert.Nil(t, h.cause.Load(), "the handler's context did not end")
+				retry := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
+				assert.Equal(t, "true", retry.Header().Get(ReplayedHeader))
+				assert.Equal(t, "call 1", retry.Body.String())
+				assert.EqualValues(t, 1, h.calls.Load())
+			})
+		})
+	}
 }
 
 // TestDeadHandlerIsTakenOver leaves a claim made directly through the store,

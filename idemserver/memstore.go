@@ -83,6 +83,7 @@ type MemoryStore struct {
 	shardEntries int   // per shard
 	shardBytes   int64 // per shard
 	evictOldest  bool
+	report       func(Eviction) // see WithEvictionReport
 	times        memTimes
 	closed       atomic.Bool
 }
@@ -118,10 +119,23 @@ func WithMaxBytes(n int64) MemoryOption {
 // expire soonest go first (with a single TTL, those completed longest
 // ago). A retry of a dropped record's key runs the handler again, so each
 // drop is reported in [ClaimResult.Evictions], and by the middleware to
-// its observer in [Event.Evictions]. Without this option a full store
-// refuses new keys with [ErrStoreFull] instead.
+// its observer in [Event.Evictions], and to [WithEvictionReport]'s
+// function. No drop goes unreported: for a claim whose evictions no one
+// would see (a middleware without [WithObserver], which sets
+// [Claim.IgnoreEvictions]), a store without WithEvictionReport drops
+// nothing live and fails with [ErrStoreFull], as without this option, which
+// is what a full store does: it refuses new keys.
 func WithEvictOldest() MemoryOption {
 	return func(s *MemoryStore) { s.evictOldest = true }
+}
+
+// WithEvictionReport sets a function the store calls with each completed
+// record it drops before it expires (see [WithEvictOldest]), whatever the
+// claim that dropped it: to count or log evictions where the middleware
+// has no observer, or where several share the store. It is called with a
+// shard's lock held, so it must be quick and must not call the store.
+func WithEvictionReport(report func(Eviction)) MemoryOption {
+	return func(s *MemoryStore) { s.report = report }
 }
 
 // maxShards is the most shards a MemoryStore is split into: far more than
@@ -269,7 +283,8 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 // bytes claimed at now: it drops the expired records, then, if the store
 // may, the completed ones that expire soonest, and lists those if list is
 // set. It fails with ErrStoreFull, dropping nothing live, if that would
-// not make room.
+// not make room, or if no one would hear of a drop: the claim does not
+// list them, and the store reports none.
 func (s *MemoryStore) makeRoom(sh *memShard, size, now int64, list bool) ([]Eviction, error) {
 	fits := func(n int, bytes int64) bool { return n < s.shardEntries && bytes+size <= s.shardBytes }
 	if fits(sh.len, sh.bytes) {
@@ -283,12 +298,20 @@ func (s *MemoryStore) makeRoom(sh *memShard, size, now int64, list bool) ([]Evic
 		return nil, fmt.Errorf("%w: a shard holds %d live records of %d bytes, and may hold %d records of %d bytes",
 			ErrStoreFull, sh.len, sh.bytes, s.shardEntries, s.shardBytes)
 	}
+	if !list && s.report == nil {
+		return nil, fmt.Errorf("%w: a shard holds %d live records, and an eviction would go unreported "+
+			"(the middleware has no observer, and the store no WithEvictionReport)", ErrStoreFull, sh.len)
+	}
 	var evicted []Eviction
 	for !fits(sh.len, sh.bytes) {
 		i := sh.soonest()
+		e := &sh.slots[i]
+		ev := Eviction{Key: e.key(), Age: time.Duration(max(0, now-e.since))}
+		if s.report != nil {
+			s.report(ev)
+		}
 		if list {
-			e := &sh.slots[i]
-			evicted = append(evicted, Eviction{Key: e.key(), Age: time.Duration(max(0, now-e.since))})
+			evicted = append(evicted, ev)
 		}
 		sh.remove(i)
 	}

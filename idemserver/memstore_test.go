@@ -444,47 +444,79 @@ func TestMemShardHashCollisions(t *testing.T) {
 
 // The middleware in front of a full MemoryStore: by default it fails
 // closed and forgets nothing; with eviction allowed it reports each record
-// it dropped.
+// it dropped, to the middleware's observer or the store's report function.
+// With neither, a drop would go unreported, so the store fails closed as
+// if eviction were not allowed.
 func TestMiddlewareWithFullMemoryStore(t *testing.T) {
 	for _, tt := range []struct {
-		name  string
-		evict bool
+		name             string
+		evict            bool
+		observe, report  bool
+		evictsReportedTo string // "" when the store fails closed
+		wrapped          bool   // in a Store that is not a PackedStore
 	}{
-		{"fails closed by default", false},
-		{"evicts and reports when allowed", true},
+		{"fails closed by default", false, true, false, "", false},
+		{"evicts and reports when allowed", true, true, false, "observer", false},
+		{"evicts and reports when allowed, wrapped", true, true, false, "observer", true},
+		{"fails closed when allowed but no one would hear of it", true, false, false, "", false},
+		{"fails closed when allowed but no one would hear of it, wrapped", true, false, false, "", true},
+		{"evicts when the store reports it", true, false, true, "store", false},
+		{"evicts when the store reports it, wrapped", true, false, true, "store", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := newFakeClock()
+			var reported []Eviction
 			opts := []MemoryOption{WithShards(1), WithMaxEntries(2)}
 			if tt.evict {
 				opts = append(opts, WithEvictOldest())
 			}
+			if tt.report {
+				opts = append(opts, WithEvictionReport(func(e Eviction) { reported = append(reported, e) }))
+			}
 			var events []Event
+			mwOpts := []Option{WithClock(clock.Now), WithRetryAfter(3 * time.Second)}
+			if tt.observe {
+				mwOpts = append(mwOpts, WithObserver(func(e Event) { events = append(events, e) }))
+			}
+			var store Store = NewMemoryStore(opts...)
+			if tt.wrapped {
+				store = &stubStore{MemoryStore: store.(*MemoryStore)}
+			}
 			h := &countingHandler{}
-			mw := Middleware(NewMemoryStore(opts...), WithClock(clock.Now), WithRetryAfter(3*time.Second),
-				WithObserver(func(e Event) { events = append(events, e) }))(h)
+			mw := Middleware(store, mwOpts...)(h)
 			for _, key := range []string{"a", "b"} {
 				require.Equal(t, http.StatusCreated, serve(mw, newRequest(http.MethodPost, "/x", key, "b")).Code)
 				clock.Advance(time.Minute)
 			}
 			w := serve(mw, newRequest(http.MethodPost, "/x", "c", "b"))
-			last := events[len(events)-1]
-			if !tt.evict {
+			var last Event
+			if tt.observe {
+				last = events[len(events)-1]
+			}
+			want := []Eviction{{Key: Key{Key: "a"}, Age: 2 * time.Minute}}
+			switch tt.evictsReportedTo {
+			case "":
 				decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
 				assert.Equal(t, "3", w.Header().Get("Retry-After"))
-				assert.Equal(t, OutcomeUnavailable, last.Outcome)
-				assert.ErrorIs(t, last.Err, ErrStoreFull)
-				assert.Empty(t, last.Evictions)
+				if tt.observe {
+					assert.Equal(t, OutcomeUnavailable, last.Outcome)
+					assert.ErrorIs(t, last.Err, ErrStoreFull)
+					assert.Empty(t, last.Evictions)
+				}
 				assert.EqualValues(t, 2, h.calls.Load(), "the handler did not run")
 				for _, key := range []string{"a", "b"} {
 					replay := serve(mw, newRequest(http.MethodPost, "/x", key, "b"))
 					assert.Equal(t, "true", replay.Header().Get(ReplayedHeader), "%s was forgotten", key)
 				}
+				assert.EqualValues(t, 2, h.calls.Load(), "no handler ran again")
 				return
+			case "observer":
+				assert.Equal(t, OutcomeExecuted, last.Outcome)
+				assert.Equal(t, want, last.Evictions)
+			case "store":
+				assert.Equal(t, want, reported)
 			}
 			assert.Equal(t, http.StatusCreated, w.Code)
-			assert.Equal(t, OutcomeExecuted, last.Outcome)
-			assert.Equal(t, []Eviction{{Key: Key{Key: "a"}, Age: 2 * time.Minute}}, last.Evictions)
 			replay := serve(mw, newRequest(http.MethodPost, "/x", "b", "b"))
 			assert.Equal(t, "true", replay.Header().Get(ReplayedHeader))
 		})

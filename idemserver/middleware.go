@@ -12,6 +12,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 )
@@ -24,9 +25,9 @@ import (
 // [WithMethods] says otherwise) and that carries a key, the middleware
 // reads the body (up to [WithMaxBodyBytes]; 413 beyond it), restores it for
 // the handler, and takes the request's fingerprint: its method, path, query
-// and body, and, when middleware in front of this one parsed its form and
-// so consumed its body, that form (fields and files, within the same
-// limit). Middleware in front that reads the body in any other way must
+// and body, and, when middleware in front of this one parsed its form (and
+// so consumed its body, or, for a multipart form, the body up to the form's
+// end), that form (fields and files, within the same limit). Middleware in front that reads the body in any other way must
 // restore it: one it consumed reads as empty, and requests that differ only
 // in it share a fingerprint. Then it claims the key in the store with the
 // fingerprint:
@@ -309,8 +310,10 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		bufs.reqBody = body
 	}
 	var form []byte
-	if len(body) == 0 && (r.PostForm != nil || r.MultipartForm != nil) {
-		// A middleware in front parsed the form, and read its body.
+	if r.PostForm != nil || r.MultipartForm != nil {
+		// A middleware in front parsed the form, and read its body: all of
+		// it, or, for a multipart form, up to its closing boundary, so
+		// that what the middleware read is only what followed.
 		form, err = parsedForm(r, cfg.maxBody)
 		switch {
 		case errors.Is(err, errBodyTooLarge):
@@ -359,7 +362,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		if cfg.ownClock {
 			sent = time.Now()
 		}
-		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease)}
+		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease), IgnoreEvictions: cfg.observe == nil}
 	}
 	c := newClaim()
 	res, err := m.claimIn(ctx, bufs, &c, false, "")
@@ -460,7 +463,7 @@ func (m *handler) claimCall(ctx context.Context, c *Claim, takeOver bool, expire
 		// that a replay costs none.
 		res, err := m.packed.ClaimPacked(ctx, PackedClaim{
 			Claim: *c, TakeOver: takeOver, ExpiredToken: expiredToken,
-			NewToken: m.newToken, IgnoreEvictions: m.cfg.observe == nil,
+			NewToken: m.newToken,
 		})
 		c.Token = res.Token
 		return res, err
@@ -714,11 +717,27 @@ func ReleasesStatus(status int) bool {
 // it on from such a service behind it, as a gateway does, has no outcome
 // yet: stored, it would answer every retry "in progress" long after the
 // service finished.
+//
+// Field names match in any case, as a client reads them: net/http sends a
+// field set straight into the map under a name that is not canonical, such
+// as "retry-after", as it was set.
 func ReleasesResponse(status int, h http.Header) bool {
 	if status == http.StatusConflict {
-		return h.Get("Retry-After") != ""
+		return h.Get("Retry-After") != "" || nonCanonicalRetryAfter(h)
 	}
 	return ReleasesStatus(status)
+}
+
+// nonCanonicalRetryAfter reports whether h holds a Retry-After field with a
+// value under a name other than the canonical one. Only a 409 without the
+// canonical field looks, so no other response pays for the scan.
+func nonCanonicalRetryAfter(h http.Header) bool {
+	for name, values := range h {
+		if len(values) > 0 && values[0] != "" && len(name) == len("Retry-After") && strings.EqualFold(name, "Retry-After") {
+			return true
+		}
+	}
+	return false
 }
 
 // reject answers with a problem of type typ and reports it, with the

@@ -230,6 +230,63 @@ func TestKeyedMethodInAnyCase(t *testing.T) {
 	assert.Equal(t, int64(1), h.calls.Load(), "handler runs")
 }
 
+// TestKeyedMethods checks which methods are keyed, in any case and
+// whatever the case they were configured in, and that no other is.
+func TestKeyedMethods(t *testing.T) {
+	for _, tt := range []struct {
+		configured []string
+		keyed      []string
+		not        []string
+	}{
+		{nil, []string{"POST", "post", "Post", "pOsT", "PATCH", "patch"}, []string{"GET", "get", "PUT", "HEAD", "POSTS", "pos", ""}},
+		{[]string{"delete", "Put"}, []string{"DELETE", "delete", "Delete", "PUT", "put"}, []string{"POST", "post", "PATCH", "GET"}},
+	} {
+		c := newConfig([]Option{WithMethods(tt.configured...)})
+		for _, m := range tt.keyed {
+			assert.True(t, c.keyed(m), "%v: %q is keyed", tt.configured, m)
+		}
+		for _, m := range tt.not {
+			assert.False(t, c.keyed(m), "%v: %q is not keyed", tt.configured, m)
+		}
+	}
+}
+
+// TestKeyedHeadInLowerCase keys HEAD and sends it as "head", which HTTP
+// and net/http take for a method of its own, one whose response has a
+// body: the middleware, which records the response as net/http sends it,
+// replays the same answer.
+func TestKeyedHeadInLowerCase(t *testing.T) {
+	calls := 0
+	srv := httptest.NewServer(Middleware(nil, WithMethods(http.MethodHead))(http.HandlerFunc(
+		func(w http.ResponseWriter, r *http.Request) {
+			calls++
+			w.Header().Set("Content-Length", "5")
+			if r.Method != http.MethodHead {
+				_, _ = io.WriteString(w, "hello")
+			}
+		})))
+	defer srv.Close()
+	var first string
+	for i := range 2 {
+		req, err := http.NewRequest("head", srv.URL+"/x", nil)
+		require.NoError(t, err)
+		req.Header.Set(DefaultKeyHeader, "k")
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		assert.Equal(t, http.StatusOK, resp.StatusCode)
+		assert.Equal(t, i == 1, resp.Header.Get(ReplayedHeader) == "true", "attempt %d replayed", i+1)
+		if i == 0 {
+			first = string(b)
+		}
+		assert.Equal(t, "hello", string(b))
+		assert.Equal(t, first, string(b))
+	}
+	assert.Equal(t, 1, calls, "handler runs")
+}
+
 // TestCustomKeyHeader sends keys in a header named by WithKeyHeader in lower
 // case, through a real server, spelled as a client might: net/http
 // canonicalises the name it receives, and the middleware the one it is given.
@@ -703,16 +760,26 @@ func TestReleasesResponse(t *testing.T) {
 		status     int
 		retryAfter string
 		releases   bool
+		field      string // the name the field is set under, not canonicalised; "" for Retry-After
 	}{
-		{"conflict", http.StatusConflict, "", false},
-		{"conflict with Retry-After", http.StatusConflict, "1", true},
-		{"created with Retry-After", http.StatusCreated, "1", false},
-		{"too many requests", http.StatusTooManyRequests, "", true},
-		{"server error with Retry-After", http.StatusServiceUnavailable, "1", true},
+		{"conflict", http.StatusConflict, "", false, ""},
+		{"conflict with Retry-After", http.StatusConflict, "1", true, ""},
+		{"created with Retry-After", http.StatusCreated, "1", false, ""},
+		{"too many requests", http.StatusTooManyRequests, "", true, ""},
+		{"server error with Retry-After", http.StatusServiceUnavailable, "1", true, ""},
+		// net/http sends a field set straight into the map under the name
+		// it was set by, and a client reads it in any case.
+		{"conflict with retry-after set in the map", http.StatusConflict, "1", true, "retry-after"},
+		{"conflict with RETRY-AFTER set in the map", http.StatusConflict, "1", true, "RETRY-AFTER"},
+		{"conflict with an empty retry-after", http.StatusConflict, "", false, "retry-after"},
+		{"conflict with another field set in the map", http.StatusConflict, "1", false, "retry-later"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := http.Header{}
-			if tt.retryAfter != "" {
+			switch {
+			case tt.field != "":
+				h[tt.field] = []string{tt.retryAfter}
+			case tt.retryAfter != "":
 				h.Set("Retry-After", tt.retryAfter)
 			}
 			assert.Equal(t, tt.releases, ReleasesResponse(tt.status, h))

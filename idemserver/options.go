@@ -17,6 +17,11 @@ const (
 	// ending it (its process died) holds its key before another request
 	// may take it over. A running handler's lease is renewed.
 	DefaultLease = time.Minute
+	// MinLease is the shortest lease the middleware takes (see
+	// [WithLease]): the lease is renewed every third of it, and at most
+	// once a millisecond, so a shorter one could end before its renewal
+	// and be taken over while its handler runs.
+	MinLease = 10 * time.Millisecond
 	// DefaultMaxHold is how long one handler may hold its key, renewing
 	// its lease, before the middleware stops renewing it and cancels the
 	// handler's context.
@@ -128,13 +133,15 @@ func WithTTL(d time.Duration) Option {
 // request with its key takes it over and runs the handler again. So the
 // lease is how long a key waits after a crash, and it should be long enough
 // that a renewal can get through a short store outage. Values of zero or
-// less mean [DefaultLease].
+// less mean [DefaultLease], and other values below [MinLease] mean
+// MinLease: a lease the keeper could not renew before it ended would let
+// a live handler be taken over.
 func WithLease(d time.Duration) Option {
 	return func(c *config) {
 		if d <= 0 {
 			d = DefaultLease
 		}
-		c.lease = d
+		c.lease = max(d, MinLease)
 	}
 }
 
@@ -301,21 +308,25 @@ func WithClock(now func() time.Time) Option {
 // WithObserver sets a function called once for every request with a keyed
 // method, with what the middleware did, for logs and metrics. It is called
 // on the request's goroutine after the response is written (for a handler
-// that panicked, before the panic goes on) and must not block.
+// that panicked, before the panic goes on) and must not block. Without an
+// observer, no one hears of records a store drops early to make room
+// ([Event.Evictions]), so the middleware tells the store, in
+// [Claim.IgnoreEvictions], to drop none it does not report otherwise.
 func WithObserver(observe func(Event)) Option {
 	return func(c *config) { c.observe = observe }
 }
 
 // keyed reports whether requests with method are deduplicated (see
-// [WithMethods]). The exact match comes first, so that a keyed method
-// spelled as usual costs one map lookup.
+// [WithMethods], which keeps the methods in upper case). A method spelled
+// as usual costs one map lookup, keyed or not: only one with a lower-case
+// letter is looked up again in upper case.
 func (c *config) keyed(method string) bool {
 	if c.methods[method] {
 		return true
 	}
-	for m := range c.methods {
-		if strings.EqualFold(m, method) {
-			return true
+	for i := range len(method) {
+		if 'a' <= method[i] && method[i] <= 'z' {
+			return c.methods[strings.ToUpper(method)]
 		}
 	}
 	return false

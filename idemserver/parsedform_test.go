@@ -2,8 +2,10 @@ package idemserver
 
 import (
 	"bytes"
+	"io"
 	"mime/multipart"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 
@@ -104,5 +106,65 @@ func TestFormParsedInFrontLimit(t *testing.T) {
 	assert.Contains(t, p.Detail, "form")
 	w = serve(h, multipartForm(t, "10", "r1")())
 	assert.Equal(t, http.StatusCreated, w.Code, w.Body.String())
+	assert.Equal(t, 1, calls, "handler runs")
+}
+
+// TestFormParsedInFrontBodyLeft checks that a form parsed in front counts
+// when the body was not all consumed: a multipart reader stops at the
+// closing boundary and leaves what follows it (an epilogue) unread, so the
+// middleware reads only that. Two requests whose forms differ but whose
+// epilogues are the same must still be told apart.
+func TestFormParsedInFrontBodyLeft(t *testing.T) {
+	epilogue := "\r\n" + strings.Repeat("e", 64<<10)
+	withEpilogue := func(amount string) func() *http.Request {
+		return func() *http.Request {
+			r := multipartForm(t, amount, "")()
+			b, err := io.ReadAll(r.Body)
+			require.NoError(t, err)
+			r.Body = io.NopCloser(strings.NewReader(string(b) + epilogue))
+			r.ContentLength = int64(len(b) + len(epilogue))
+			return r
+		}
+	}
+	calls := 0
+	h := parseFormInFront(Middleware(nil)(formHandler(&calls)))
+	first := serve(h, withEpilogue("10")())
+	require.Equal(t, http.StatusCreated, first.Code, first.Body.String())
+	require.Equal(t, "charged 10", first.Body.String())
+	// An amount as long, so that as much of the epilogue is left.
+	w := serve(h, withEpilogue("90")())
+	decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
+	assert.Equal(t, 1, calls, "handler runs")
+	w = serve(h, withEpilogue("10")())
+	assert.Equal(t, "true", w.Header().Get(ReplayedHeader))
+	assert.Equal(t, first.Body.String(), w.Body.String())
+}
+
+// TestFormParsedInFrontFilesOnDisk parses forms in front with little
+// memory, so that their files are kept in temporary files: the fingerprint
+// reads them from there, and tells files of one size apart by content.
+func TestFormParsedInFrontFilesOnDisk(t *testing.T) {
+	front := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			require.NoError(t, r.ParseMultipartForm(1))
+			defer func() { _ = r.MultipartForm.RemoveAll() }()
+			for _, fh := range r.MultipartForm.File["receipt"] {
+				f, err := fh.Open()
+				require.NoError(t, err)
+				_, onDisk := f.(*os.File)
+				require.NoError(t, f.Close())
+				require.True(t, onDisk, "the file is on disk")
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	calls := 0
+	h := front(Middleware(nil)(formHandler(&calls)))
+	first := serve(h, multipartForm(t, "10", strings.Repeat("a", 64<<10))())
+	require.Equal(t, http.StatusCreated, first.Code, first.Body.String())
+	w := serve(h, multipartForm(t, "10", strings.Repeat("a", 64<<10))())
+	assert.Equal(t, "true", w.Header().Get(ReplayedHeader))
+	w = serve(h, multipartForm(t, "10", strings.Repeat("a", 64<<10-1)+"b")())
+	decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
 	assert.Equal(t, 1, calls, "handler runs")
 }

@@ -152,6 +152,12 @@ type Claim struct {
 	// LeaseExpires is when the lease ends and the record, if still in
 	// progress, may be taken over.
 	LeaseExpires time.Time
+	// IgnoreEvictions says that no one will look at the result's
+	// Evictions (the middleware has no observer), so that the store need
+	// not list them. A store that reports evictions nowhere else must then
+	// drop no live record for the claim: the drop would go unreported. A
+	// Store that wraps another passes it on with the claim.
+	IgnoreEvictions bool
 }
 
 // ClaimResult is what [Store.Claim] and [Store.TakeOver] report.
@@ -316,9 +322,6 @@ type PackedClaim struct {
 	// record costs no token; one that sends the token with the claim, not
 	// knowing what it will find, calls it first.
 	NewToken func() string
-	// IgnoreEvictions says that no one will look at the result's
-	// Evictions, so that the store need not list them.
-	IgnoreEvictions bool
 }
 
 // PackedClaimResult is what [PackedStore.ClaimPacked] reports.

@@ -34,8 +34,10 @@ type Server struct {
 
 // NewServer starts and returns a Server that serves h behind the
 // middleware, the ledger and the fault injector. The caller must Close it.
-// NewServer panics, like httptest.NewServer, if it cannot listen, and if
-// the faults set by [WithFaults] are invalid ([ErrInvalidFaults]).
+// NewServer panics, like httptest.NewServer, if it cannot listen, if the
+// faults set by [WithFaults] are invalid ([ErrInvalidFaults]), and, as
+// idemserver.WithKeyHeader does, if the name set by [WithKeyHeader] is not
+// a header field name.
 func NewServer(h http.Handler, opts ...Option) *Server {
 	var cfg config
 	for _, o := range opts {

@@ -440,3 +440,24 @@ func TestNewServerPanicsOnInvalidFaults(t *testing.T) {
 	NewServer(created, WithFaults(Faults{Stall: 2}))
 	t.Fatal("NewServer did not panic")
 }
+
+// TestKeyHeaderInAnyCase checks that a key header named in unusual case
+// serves the middleware, the ledger and the client alike, and that a name
+// no request could carry is refused when the server is made.
+func TestKeyHeaderInAnyCase(t *testing.T) {
+	s := NewServer(created, WithKeyHeader("x-REQUEST-key"))
+	defer s.Close()
+	for i := range 2 {
+		req, err := http.NewRequest(http.MethodPost, s.URL+"/orders", strings.NewReader("b"))
+		require.NoError(t, err)
+		req.Header["X-Request-Key"] = []string{"k"}
+		resp, err := s.Client().Do(req)
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		require.NoError(t, resp.Body.Close())
+		assert.Equal(t, http.StatusCreated, resp.StatusCode)
+		assert.Equal(t, i > 0, resp.Header.Get(idemserver.ReplayedHeader) == "true", "attempt %d replayed", i)
+	}
+	s.AssertExactlyOnce(t, 1)
+	assert.Panics(t, func() { NewServer(created, WithKeyHeader("X-Request-Key:")) })
+}

@@ -93,7 +93,10 @@ func serve(args []string) {
 		// New keys keep coming for the whole run: a store that evicts the
 		// oldest of 100,000 records stays in one steady state, where the
 		// default one would fill up and refuse new keys.
-		store := idemserver.NewMemoryStore(idemserver.WithMaxEntries(100_000), idemserver.WithEvictOldest())
+		// Evictions are the load's design, not news: they are reported to
+		// nothing, which a store that evicts must be told.
+		store := idemserver.NewMemoryStore(idemserver.WithMaxEntries(100_000), idemserver.WithEvictOldest(),
+			idemserver.WithEvictionReport(func(idemserver.Eviction) {}))
 		defer store.Close()
 		h = idemserver.Middleware(store)(h)
 	default:
