@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"io"
 	"maps"
 	"net/http"
@@ -64,6 +66,9 @@ func fingerprintForm(method, path, query string, body, form []byte) Fingerprint 
 	return f
 }
 
+// errFormFile is a file of a parsed form that could not be read back.
+var errFormFile = errors.New("a file of the parsed form could not be read back")
+
 func appendField(b []byte, s string) []byte {
 	b = binary.BigEndian.AppendUint64(b, uint64(len(s)))
 	return append(b, s...)
@@ -79,6 +84,8 @@ func appendField(b []byte, s string) []byte {
 // contents, so that two requests with different forms do not share a
 // fingerprint. It is nil for a request whose form was not parsed or is
 // empty, and fails with errBodyTooLarge past max bytes.
+// A file it cannot read back (multipart keeps large ones in temporary
+// files) fails with errFormFile: the server's fault, not the request's.
 func parsedForm(r *http.Request, max int64) ([]byte, error) {
 	if len(r.PostForm) == 0 && (r.MultipartForm == nil || len(r.MultipartForm.File) == 0) {
 		return nil, nil
@@ -98,14 +105,14 @@ func parsedForm(r *http.Request, max int64) ([]byte, error) {
 				}
 				f, err := fh.Open()
 				if err != nil {
-					return nil, err
+					return nil, fmt.Errorf("%w: %w", errFormFile, err)
 				}
 				n := len(b)
 				b = slices.Grow(b, int(fh.Size))
 				m, err := io.ReadFull(f, b[n:n+int(fh.Size)])
 				_ = f.Close()
 				if err != nil {
-					return nil, err
+					return nil, fmt.Errorf("%w: %w", errFormFile, err)
 				}
 				b = b[:n+m]
 			}

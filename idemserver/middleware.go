@@ -320,6 +320,13 @@ func (m *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			m.reject(w, r, key, ProblemBodyTooLarge, http.StatusRequestEntityTooLarge,
 				"a keyed request's form may be at most "+strconv.FormatInt(cfg.maxBody, 10)+" bytes", nil)
 			return
+		case errors.Is(err, errFormFile):
+			// The error names a temporary file of this server, which is
+			// not the client's to see; the request itself may be sound,
+			// so the answer invites it again.
+			m.reject(w, r, key, ProblemBodyUnreadable, http.StatusInternalServerError,
+				"a file of the request's form could not be read back; the request was not processed", nil)
+			return
 		case err != nil:
 			m.reject(w, r, key, ProblemBodyUnreadable, http.StatusBadRequest, err.Error(), nil)
 			return

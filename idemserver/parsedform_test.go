@@ -168,3 +168,23 @@ func TestFormParsedInFrontFilesOnDisk(t *testing.T) {
 	decodeProblem(t, w, ProblemFingerprintMismatch, http.StatusUnprocessableEntity)
 	assert.Equal(t, 1, calls, "handler runs")
 }
+
+// TestFormFileGoneFromDisk checks that a form file that cannot be read
+// back from the server's temporary files is answered as the server's
+// failure, which invites the request again, and not as a bad request,
+// which a client takes as final; the answer names no file of the server.
+func TestFormFileGoneFromDisk(t *testing.T) {
+	front := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			require.NoError(t, r.ParseMultipartForm(1))
+			require.NoError(t, r.MultipartForm.RemoveAll(), "the files leave the disk")
+			next.ServeHTTP(w, r)
+		})
+	}
+	calls := 0
+	h := front(Middleware(nil)(formHandler(&calls)))
+	w := serve(h, multipartForm(t, "10", strings.Repeat("a", 64<<10))())
+	p := decodeProblem(t, w, ProblemBodyUnreadable, http.StatusInternalServerError)
+	assert.NotContains(t, p.Detail, os.TempDir(), "the detail names no file of the server")
+	assert.Zero(t, calls, "handler runs")
+}

@@ -21,7 +21,9 @@ const (
 	// the middleware reads to fingerprint it (see [WithMaxBodyBytes]).
 	ProblemBodyTooLarge = problemBase + "ProblemBodyTooLarge"
 	// ProblemBodyUnreadable (400, or 408 when reading it timed out): the
-	// request body could not be read. The handler did not run.
+	// request body could not be read. The handler did not run. It is 500
+	// when a form that middleware in front parsed cannot be read back from
+	// the server's temporary files.
 	ProblemBodyUnreadable = problemBase + "ProblemBodyUnreadable"
 	// ProblemFingerprintMismatch (422): the key was first used for a
 	// request with a different method, path, query or body. Retrying will
