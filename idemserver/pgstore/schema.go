@@ -226,7 +226,9 @@ FROM lock LEFT JOIN LATERAL (
 		// in the index is tracked by index page, which every concurrent
 		// claim of a key on that page writes to, so that claims of
 		// different keys would fail each other's commits; the row this
-		// transaction wrote it reads without being tracked.
+		// transaction wrote it reads without being tracked. A row the
+		// transaction updated since is no longer at that ctid; the
+		// complete by key finds it (see completeTx).
 		completeAt: strings.Replace(complete, "WHERE ", "WHERE ctid = $6::tid AND ", 1),
 		// held reports whether a claim of transactional mode is still
 		// open: whether any session holds the advisory lock $1 of its

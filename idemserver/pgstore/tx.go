@@ -344,9 +344,12 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 	var err error
 	if st.at != "" {
 		n, err = execRows(ctx, st.tx, s.q.completeAt, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl, st.at)
-	} else {
+	}
+	if err == nil && n == 0 {
 		// A claim that replaced an expired row read it through the
-		// index already.
+		// index already. A row the claim inserted is no longer at its
+		// ctid once the transaction updated it (the handler, through
+		// Tx, or a trigger): its latest version is found by key.
 		n, err = execRows(ctx, st.tx, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
 	}
 	if errors.Is(err, sql.ErrTxDone) {

@@ -1,0 +1,72 @@
+package pgstore
+
+import (
+	"fmt"
+	"net/http"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemhttp/idemhttp/idemserver"
+)
+
+func TestCompleteFindsARecordTheHandlerUpdated(t *testing.T) {
+	// A claim that inserted its row completes it by the ctid the insert
+	// returned. A handler that updates the store's table in Tx (its own
+	// record, or every row, by a statement of its own or a trigger) gives
+	// the row a new version at another ctid: the complete must still find
+	// it, rather than roll back a request whose handler did nothing
+	// wrong, and roll it back again on every retry.
+	for _, tt := range []struct {
+		name   string
+		update string // run in Tx, with the store's table for %s and the key for $1
+	}{
+		{"own record", `UPDATE %s SET fingerprint = fingerprint WHERE key = $1`},
+		{"every record", `UPDATE %s SET sweep_at = sweep_at WHERE key <> '' OR key = $1`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			s := db.newStore(t, WithTransactional())
+			h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, err := Tx(r.Context()).ExecContext(r.Context(), fmt.Sprintf(tt.update, s.table.quoted()), r.Header.Get("Idempotency-Key"))
+				if !assert.NoError(t, err) {
+					return
+				}
+				txPaymentsHandler().ServeHTTP(w, r)
+			}))
+			status, body, replayed := post(h, "k")
+			require.Equal(t, http.StatusCreated, status, body)
+			assert.False(t, replayed)
+			status2, body2, replayed := post(h, "k")
+			assert.Equal(t, http.StatusCreated, status2)
+			assert.Equal(t, body, body2)
+			assert.True(t, replayed, "the retry replays the stored response")
+			assert.Equal(t, 1, countPayments(t, db.DB, "k"))
+		})
+	}
+}
+
+func TestHandlerThatDeletesItsRecordIsRolledBack(t *testing.T) {
+	// A complete that finds no row of its claim, at its ctid or by key,
+	// is never taken for a success: the transaction is rolled back with
+	// the handler's writes, the client gets 503, and nothing is kept.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, err := Tx(r.Context()).ExecContext(r.Context(), "DELETE FROM "+s.table.quoted()+" WHERE key = $1", r.Header.Get("Idempotency-Key"))
+		if !assert.NoError(t, err) {
+			return
+		}
+		txPaymentsHandler().ServeHTTP(w, r)
+	}))
+	status, body, _ := post(h, "k")
+	assert.Equal(t, http.StatusServiceUnavailable, status, body)
+	assert.Zero(t, countPayments(t, db.DB, "k"), "payments")
+	assert.Zero(t, countKeys(t, db, s), "records")
+	assert.Zero(t, db.Stats().InUse, "no transaction left open")
+}
