@@ -70,3 +70,42 @@ func TestHandlerThatDeletesItsRecordIsRolledBack(t *testing.T) {
 	assert.Zero(t, countKeys(t, db, s), "records")
 	assert.Zero(t, db.Stats().InUse, "no transaction left open")
 }
+
+func TestTransactionalOverAPartitionedTable(t *testing.T) {
+	// A team that runs its own migrations may partition the table. A
+	// ctid is unique only within a partition; the complete's checks of
+	// scope, key and token keep it to the claim's row, in each partition
+	// the statement scans.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	for _, q := range []string{
+		`CREATE TABLE parted (scope bytea NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL, token text NOT NULL,
+    expires_at timestamptz NOT NULL, response bytea, sweep_at timestamptz NOT NULL DEFAULT 'infinity',
+    PRIMARY KEY (scope, key)) PARTITION BY HASH (key)`,
+		`CREATE TABLE parted_0 PARTITION OF parted FOR VALUES WITH (MODULUS 2, REMAINDER 0)`,
+		`CREATE TABLE parted_1 PARTITION OF parted FOR VALUES WITH (MODULUS 2, REMAINDER 1)`,
+		`CREATE INDEX parted_sweep_at ON parted (sweep_at)`,
+	} {
+		_, err := db.ExecContext(t.Context(), q)
+		require.NoError(t, err, q)
+	}
+	s, err := New(db.DB, WithTable("parted"), WithTransactional())
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(t.Context()))
+	h := idemserver.Middleware(s)(txPaymentsHandler())
+	// Keys that land in both partitions, each at the same ctid there.
+	for _, key := range []string{"a", "b", "c", "d", "e", "f"} {
+		status, body, replayed := post(h, key)
+		require.Equal(t, http.StatusCreated, status, body)
+		assert.False(t, replayed)
+		status2, body2, replayed := post(h, key)
+		assert.Equal(t, http.StatusCreated, status2)
+		assert.Equal(t, body, body2)
+		assert.True(t, replayed, key)
+		assert.Equal(t, 1, countPayments(t, db.DB, key), key)
+	}
+	var parts int
+	require.NoError(t, db.QueryRowContext(t.Context(), `SELECT count(DISTINCT tableoid) FROM parted WHERE response IS NOT NULL`).Scan(&parts))
+	assert.Equal(t, 2, parts, "records in both partitions")
+}
