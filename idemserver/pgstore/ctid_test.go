@@ -108,4 +108,7 @@ func TestTransactionalOverAPartitionedTable(t *testing.T) {
 	var parts int
 	require.NoError(t, db.QueryRowContext(t.Context(), `SELECT count(DISTINCT tableoid) FROM parted WHERE response IS NOT NULL`).Scan(&parts))
 	assert.Equal(t, 2, parts, "records in both partitions")
+	var shared int
+	require.NoError(t, db.QueryRowContext(t.Context(), `SELECT count(*) - count(DISTINCT ctid) FROM parted`).Scan(&shared))
+	assert.Positive(t, shared, "rows of both partitions at one ctid")
 }
