@@ -46,7 +46,9 @@ func Tx(ctx context.Context) *sql.Tx {
 // transaction back and the middleware runs the request again, in a new
 // transaction, up to [idemserver.MaxReruns] times, instead of sending the
 // error. Failures the store meets itself, in its last write or the commit,
-// are rerun without it.
+// are rerun without it. A rerun repeats whatever the handler did outside
+// the database, as any retry after a 5xx does (see
+// [idemserver.MaxReruns]).
 func Rerun(ctx context.Context, err error) bool {
 	st, _ := ctx.Value(txKey{}).(*txState)
 	if st == nil || !retryable(err) {
