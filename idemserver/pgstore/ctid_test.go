@@ -37,13 +37,7 @@ func TestCompleteFindsARecordTheHandlerUpdated(t *testing.T) {
 				}
 				txPaymentsHandler().ServeHTTP(w, r)
 			}))
-			status, body, replayed := post(h, "k")
-			require.Equal(t, http.StatusCreated, status, body)
-			assert.False(t, replayed)
-			status2, body2, replayed := post(h, "k")
-			assert.Equal(t, http.StatusCreated, status2)
-			assert.Equal(t, body, body2)
-			assert.True(t, replayed, "the retry replays the stored response")
+			payThenReplay(t, h, "k")
 			assert.Equal(t, 1, countPayments(t, db.DB, "k"))
 		})
 	}
@@ -96,13 +90,7 @@ func TestTransactionalOverAPartitionedTable(t *testing.T) {
 	h := idemserver.Middleware(s)(txPaymentsHandler())
 	// Keys that land in both partitions, each at the same ctid there.
 	for _, key := range []string{"a", "b", "c", "d", "e", "f"} {
-		status, body, replayed := post(h, key)
-		require.Equal(t, http.StatusCreated, status, body)
-		assert.False(t, replayed)
-		status2, body2, replayed := post(h, key)
-		assert.Equal(t, http.StatusCreated, status2)
-		assert.Equal(t, body, body2)
-		assert.True(t, replayed, key)
+		payThenReplay(t, h, key)
 		assert.Equal(t, 1, countPayments(t, db.DB, key), key)
 	}
 	var parts int
@@ -111,4 +99,18 @@ func TestTransactionalOverAPartitionedTable(t *testing.T) {
 	var shared int
 	require.NoError(t, db.QueryRowContext(t.Context(), `SELECT count(*) - count(DISTINCT ctid) FROM parted`).Scan(&shared))
 	assert.Positive(t, shared, "rows of both partitions at one ctid")
+}
+
+// payThenReplay posts a payment with key to h, which must run it (201), and
+// posts it again, which must replay that response, and returns its body.
+func payThenReplay(t *testing.T, h http.Handler, key string) string {
+	t.Helper()
+	status, body, replayed := post(h, key)
+	require.Equal(t, http.StatusCreated, status, body)
+	require.False(t, replayed, key)
+	status, again, replayed := post(h, key)
+	assert.Equal(t, http.StatusCreated, status, key)
+	assert.Equal(t, body, again, key)
+	assert.True(t, replayed, "%s: the retry replays the stored response", key)
+	return body
 }
