@@ -114,3 +114,45 @@ func payThenReplay(t *testing.T, h http.Handler, key string) string {
 	assert.True(t, replayed, "%s: the retry replays the stored response", key)
 	return body
 }
+
+func TestClaimKeepsItsCtidThroughVacuum(t *testing.T) {
+	// The complete finds an inserted claim at the ctid its insert
+	// returned. While the claim's transaction is open, VACUUM (and the
+	// pruning any statement does on the page) removes only versions no
+	// snapshot can see, and VACUUM FULL, which rewrites the table, waits
+	// for the claim's lock on it.
+	db := newTestDB(t, 4)
+	_, err := db.ExecContext(t.Context(), createPayments)
+	require.NoError(t, err)
+	s := db.newStore(t, WithTransactional())
+	// Dead versions on the page the claim's row goes to.
+	for _, q := range []string{
+		"INSERT INTO " + s.table.quoted() + " (scope, key, fingerprint, token, expires_at) SELECT '', 'dead-' || i, '', 't', now() FROM generate_series(1, 20) AS i",
+		"DELETE FROM " + s.table.quoted(),
+	} {
+		_, err := db.ExecContext(t.Context(), q)
+		require.NoError(t, err)
+	}
+	h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx := Tx(r.Context())
+		ctid := func() string {
+			var at string
+			require.NoError(t, tx.QueryRowContext(r.Context(), "SELECT ctid::text FROM "+s.table.quoted()+" WHERE key = 'k'").Scan(&at))
+			return at
+		}
+		before := ctid()
+		_, err := db.ExecContext(r.Context(), "VACUUM "+s.table.quoted())
+		require.NoError(t, err)
+		conn, err := db.Conn(r.Context())
+		require.NoError(t, err)
+		defer conn.Close()
+		_, err = conn.ExecContext(r.Context(), "SET lock_timeout = '100ms'")
+		require.NoError(t, err)
+		_, err = conn.ExecContext(r.Context(), "VACUUM FULL "+s.table.quoted())
+		assert.Equal(t, "55P03", sqlState(err), "VACUUM FULL waits for the claim's transaction: %v", err)
+		assert.Equal(t, before, ctid(), "the claim's ctid")
+		assert.Equal(t, before, r.Context().Value(txKey{}).(*txState).at, "the ctid the claim's insert returned")
+		txPaymentsHandler().ServeHTTP(w, r)
+	}))
+	payThenReplay(t, h, "k")
+}
