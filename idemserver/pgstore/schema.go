@@ -402,12 +402,23 @@ func (s *Store) migrated(ctx context.Context, tx *sql.Tx) error {
 
 // statements returns the statements over the store's table named with the
 // schema it is in, which it finds in the search_path first if it is not
-// known yet (see resolve).
+// known yet (see resolve). In transactional mode its wait for a pool
+// connection is bounded as a claim's are (see WithPoolWait).
 func (s *Store) statements(ctx context.Context) (*statements, error) {
 	if q := s.q.Load(); q != nil {
 		return q, nil
 	}
-	return s.resolve(ctx, s.db)
+	if !s.transactional {
+		return s.resolve(ctx, s.db)
+	}
+	var q *statements
+	err := s.onConn(ctx, func(conn *sql.Conn) error {
+		defer conn.Close()
+		var err error
+		q, err = s.resolve(ctx, conn)
+		return err
+	})
+	return q, err
 }
 
 // stmt returns the statements that statements returned, which every

@@ -109,3 +109,23 @@ func TestStoreFindsItsTableOnFirstUse(t *testing.T) {
 	assert.Contains(t, s.stmt().complete, `"`+db.schema+`"."own"`)
 	require.NoError(t, s.Complete(t.Context(), idemserver.Key{Key: "k"}, "token-k", &idemserver.Response{Status: 201}, time.Now().Add(time.Hour)))
 }
+
+func TestFirstUseWaitsForAConnectionWithinTheBound(t *testing.T) {
+	// In transactional mode a claim's waits for a pool connection are
+	// bounded, the wait of the lookup of its table's schema too.
+	db := newTestDB(t, 1)
+	table := db.newStore(t).table.name
+	s, err := New(db.DB, WithTable(table), WithTransactional(), WithPoolWait(50*time.Millisecond))
+	require.NoError(t, err)
+	held, err := db.Conn(t.Context())
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	_, err = s.Claim(ctx, testClaim("k", time.Hour))
+	require.ErrorIs(t, err, ErrPoolTimeout)
+	require.NoError(t, held.Close())
+	res, err := s.Claim(t.Context(), testClaim("k", time.Hour))
+	require.NoError(t, err)
+	assert.True(t, res.Claimed)
+	require.NoError(t, s.Release(res.Context, idemserver.Key{Key: "k"}, "token-k"))
+}
