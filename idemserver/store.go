@@ -239,7 +239,12 @@ type ResponseHolder interface {
 }
 
 // MaxReruns is how many times the middleware runs a request again when
-// the store asks it to with [ErrRetryRequest].
+// the store asks it to with [ErrRetryRequest]. A rerun runs the handler
+// again from the start: the store discarded what it wrote in the
+// database, but whatever it did outside (a call to another service, a
+// message sent) happens again, as it does when a client retries after a
+// 5xx. A handler names such calls with a key derived from [KeyFrom], so
+// that the services it calls deduplicate them.
 const MaxReruns = 3
 
 // Errors a Store reports. Use errors.Is to test for them.

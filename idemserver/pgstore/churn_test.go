@@ -248,7 +248,7 @@ func TestMigrateGivesUpOnALockedTable(t *testing.T) {
 	s, err := New(db.DB, WithTable("locked"))
 	require.NoError(t, err)
 	// The table without its index, so that Migrate has DDL to run.
-	_, err = db.ExecContext(t.Context(), s.q.ddl[0])
+	_, err = db.ExecContext(t.Context(), s.named.ddl[0])
 	require.NoError(t, err)
 	t.Cleanup(func() { _, _ = db.ExecContext(context.Background(), `DROP TABLE "locked"`) })
 

@@ -142,7 +142,7 @@ func TestReplayProbesTheKeyOnce(t *testing.T) {
 	db, s := newCompleted(t, "k", time.Now().Add(time.Hour))
 
 	var plan string
-	require.NoError(t, db.QueryRowContext(t.Context(), "EXPLAIN (ANALYZE, FORMAT JSON) "+s.q.claim,
+	require.NoError(t, db.QueryRowContext(t.Context(), "EXPLAIN (ANALYZE, FORMAT JSON) "+s.stmt().claim,
 		[]byte(""), "k", make([]byte, 32), "replay", 60.0, 60.0).Scan(&plan))
 	var found bool
 	var walk func(node map[string]any)

@@ -226,7 +226,9 @@ FROM lock LEFT JOIN LATERAL (
 		// in the index is tracked by index page, which every concurrent
 		// claim of a key on that page writes to, so that claims of
 		// different keys would fail each other's commits; the row this
-		// transaction wrote it reads without being tracked.
+		// transaction wrote it reads without being tracked. A row the
+		// transaction updated since is no longer at that ctid; the
+		// complete by key finds it (see completeTx).
 		completeAt: strings.Replace(complete, "WHERE ", "WHERE ctid = $6::tid AND ", 1),
 		// held reports whether a claim of transactional mode is still
 		// open: whether any session holds the advisory lock $1 of its
@@ -304,7 +306,9 @@ const migrateLockTimeout = "10s"
 // nothing and returns an error that says so. So it does for a table whose
 // expires_at or sweep_at is a timestamp without a time zone, which each
 // session would read in its own TimeZone. Teams that run their own migrations can apply
-// the same SQL, shown in docs/pgstore.md, instead.
+// the same SQL, shown in docs/pgstore.md, instead. Migrate also finds the
+// schema of a table named without one, which the store's statements name
+// from then on (see [WithTable]).
 func (s *Store) Migrate(ctx context.Context) error {
 	// Read committed, whatever the database's default: each statement
 	// sees what committed before it began, so that the catalog read after
@@ -356,7 +360,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 		// queue behind every transactional-mode claim in flight, and every
 		// claim after it behind it: an instance that starts must not
 		// stall the others.
-		return tx.Commit()
+		return s.migrated(ctx, tx)
 	}
 	// DDL that must wait for the table gives up rather than hold every
 	// claim up behind it.
@@ -368,7 +372,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 	// search_path only, and a table found in a later one would get, in
 	// the first, an empty twin that hides it, and every record in it, from
 	// every statement after.
-	q := s.q
+	q := s.named
 	if exists && s.table.schema == "" {
 		q = newStatements(tableName{schema: schema.String, name: s.table.name})
 	}
@@ -381,8 +385,71 @@ func (s *Store) Migrate(ctx context.Context) error {
 			return fmt.Errorf("pgstore: migrate %s: %w", s.table.quoted(), err)
 		}
 	}
+	return s.migrated(ctx, tx)
+}
+
+// migrated finds the schema of the table that Migrate's transaction tx
+// made or found (see resolve), and commits tx.
+func (s *Store) migrated(ctx context.Context, tx *sql.Tx) error {
+	if _, err := s.resolve(ctx, tx); err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", err)
+	}
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
 	return nil
+}
+
+// statements returns the statements over the store's table named with the
+// schema it is in, which it finds in the search_path first if it is not
+// known yet (see resolve). In transactional mode its wait for a pool
+// connection is bounded as a claim's are (see WithPoolWait).
+func (s *Store) statements(ctx context.Context) (*statements, error) {
+	if q := s.q.Load(); q != nil {
+		return q, nil
+	}
+	if !s.transactional {
+		return s.resolve(ctx, s.db)
+	}
+	var q *statements
+	err := s.onConn(ctx, func(conn *sql.Conn) error {
+		defer conn.Close()
+		var err error
+		q, err = s.resolve(ctx, conn)
+		return err
+	})
+	return q, err
+}
+
+// stmt returns the statements that statements returned, which every
+// method of the store asks for before any other statement of its table:
+// a claim before the complete, release or extension of its key.
+func (s *Store) stmt() *statements {
+	if q := s.q.Load(); q != nil {
+		return q
+	}
+	return &s.named
+}
+
+// resolve finds, on q, the schema of the store's table, a name without a
+// schema looked up in the search_path, and keeps the statements that name
+// it. They are the statements of the store from then on: the search_path
+// of the claim's transaction is the handler's to set, and a statement that
+// looked the name up there could find another table of that name (a
+// tenant's, in an app with a schema per tenant) where no claim is, fail
+// to store a response, or, on a connection whose search_path a handler
+// set for its session, keep claims where no other connection sees them.
+func (s *Store) resolve(ctx context.Context, q querier) (*statements, error) {
+	var schema sql.NullString
+	err := q.QueryRowContext(ctx, `SELECT nspname FROM pg_catalog.pg_class JOIN pg_catalog.pg_namespace ON pg_namespace.oid = relnamespace
+WHERE pg_class.oid = to_regclass($1)`, s.table.quoted()).Scan(&schema)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil, fmt.Errorf("pgstore: no table %s in the search_path: create it with Migrate or the SQL of docs/pgstore.md", s.table.quoted())
+	case err != nil:
+		return nil, fmt.Errorf("pgstore: find the schema of %s: %w", s.table.quoted(), err)
+	}
+	st := newStatements(tableName{schema: schema.String, name: s.table.name})
+	s.q.Store(&st)
+	return &st, nil
 }

@@ -104,7 +104,7 @@ func TestDocumentedSchemaIsMigrate(t *testing.T) {
 	require.NoError(t, err)
 	s, err := New(&sql.DB{})
 	require.NoError(t, err)
-	for _, q := range append(s.q.ddl, s.q.upgrade...) {
+	for _, q := range append(s.named.ddl, s.named.upgrade...) {
 		assert.True(t, strings.Contains(string(doc), q+";\n"), "docs/pgstore.md lacks the statement\n%s", q)
 	}
 }
@@ -293,7 +293,7 @@ func TestMigrateAfterAnotherInstanceUnderEachIsolationLevel(t *testing.T) {
 WHERE locktype = 'advisory' AND NOT granted AND objid = $1::bigint & x'ffffffff'::bigint)`, int64(migrateLock)).Scan(&waiting)
 				return err == nil && waiting
 			}, 10*time.Second, time.Millisecond, "Migrate waits for the lock")
-			for _, q := range s.q.ddl {
+			for _, q := range s.named.ddl {
 				_, err := other.ExecContext(t.Context(), q)
 				require.NoError(t, err)
 			}

@@ -72,34 +72,39 @@ func TestTransactionalUnderSerializableLoad(t *testing.T) {
 	// on the same page, and their requests would be rolled back, rerun
 	// and, past MaxReruns, answered 503, though no two of them touched
 	// one row. Here no handler reads anything: every request must run
-	// once and be kept.
-	db := newTestDB(t, 4)
-	_, err := db.ExecContext(t.Context(), createPayments)
-	require.NoError(t, err)
-	pool := db.openAtLevel(t, "serializable")
-	pool.SetMaxOpenConns(16)
-	s, err := New(pool, WithTransactional(), WithTable(db.newStore(t).table.name))
-	require.NoError(t, err)
-	var runs atomic.Int64
-	h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		runs.Add(1)
-		txPaymentsHandler().ServeHTTP(w, r)
-	}))
+	// once and be kept, and so at the other levels a database may
+	// default to.
+	for _, level := range []string{"read committed", "repeatable read", "serializable"} {
+		t.Run(level, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			pool := db.openAtLevel(t, level)
+			pool.SetMaxOpenConns(16)
+			s, err := New(pool, WithTransactional(), WithTable(db.newStore(t).table.name))
+			require.NoError(t, err)
+			var runs atomic.Int64
+			h := idemserver.Middleware(s)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs.Add(1)
+				txPaymentsHandler().ServeHTTP(w, r)
+			}))
 
-	const workers, rounds = 8, 40
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Go(func() {
-			for i := range rounds {
-				key := strconv.Itoa(w) + "-" + strconv.Itoa(i)
-				status, body, _ := post(h, key)
-				assert.Equal(t, http.StatusCreated, status, "%s: %s", key, body)
+			const workers, rounds = 8, 40
+			var wg sync.WaitGroup
+			for w := range workers {
+				wg.Go(func() {
+					for i := range rounds {
+						key := strconv.Itoa(w) + "-" + strconv.Itoa(i)
+						status, body, _ := post(h, key)
+						assert.Equal(t, http.StatusCreated, status, "%s: %s", key, body)
+					}
+				})
 			}
+			wg.Wait()
+			assert.Equal(t, int64(workers*rounds), runs.Load(), "handler runs")
+			var n int
+			require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM payments").Scan(&n))
+			assert.Equal(t, workers*rounds, n, "payments")
 		})
 	}
-	wg.Wait()
-	assert.Equal(t, int64(workers*rounds), runs.Load(), "handler runs")
-	var n int
-	require.NoError(t, db.QueryRowContext(t.Context(), "SELECT count(*) FROM payments").Scan(&n))
-	assert.Equal(t, workers*rounds, n, "payments")
 }

@@ -108,7 +108,9 @@
 // the request on its pool connection once the transaction commits: use
 // SET LOCAL (or set_config's is_local), or reset the connection in the
 // driver's hook for a connection returned to the pool (pgx's
-// stdlib.OptionResetSession). The transaction has the database's
+// stdlib.OptionResetSession). The handler may set the search_path
+// (SET LOCAL search_path): the store's statements name the schema of
+// their table (see [WithTable]). The transaction has the database's
 // default isolation level. The advisory locks are 64-bit hashes of the
 // table (its oid, whatever schema it is found in) and the scope and key,
 // or the token, in the database's one advisory lock space, where a
@@ -177,11 +179,15 @@ import (
 // share one table.
 type Store struct {
 	db            *sql.DB
-	table         tableName
-	q             statements
+	table         tableName  // as named, which the advisory locks hash (see lockID)
+	named         statements // over the table as named (see Migrate)
 	transactional bool
 	now           func() time.Time
 	poolWait      time.Duration // see WithPoolWait
+
+	// q holds the statements over the table named with its schema, once
+	// that is known (see resolve).
+	q atomic.Pointer[statements]
 
 	// retention is the retention the last Complete was given, and until
 	// then idemserver.DefaultTTL: a claim sets its row's sweep_at that
@@ -232,15 +238,23 @@ var ErrClockSkew = errors.New("pgstore: the middleware's clock is not the store'
 // a name joined by a dot, each an ASCII letter or underscore followed by up
 // to 62 ASCII letters, digits or underscores (the table's name at most
 // 52, so that its index's name fits). Names are used quoted, so they are
-// case-sensitive. The default is [DefaultTable], in the connection's
-// search_path.
+// case-sensitive. The default is [DefaultTable].
+//
+// A name without a schema is looked up in the search_path once: by
+// [Store.Migrate], or else by the store's first statement. From then on
+// every statement names the schema it was found in, so that a handler
+// that sets the search_path in its transaction (SET LOCAL search_path, as
+// an app with a schema per tenant does) moves none of the store's
+// statements to another table, such as a tenant's table of the same
+// name.
 func WithTable(name string) Option {
 	return func(c *config) { c.table = name }
 }
 
 // New returns a Store over db configured by opts. It does not touch the
 // database; call [Store.Migrate] to create the table, or create it
-// yourself. New fails only for a nil db or a table name that [WithTable]
+// yourself (a name without a schema is looked up when the store is first
+// used, see [WithTable]). New fails only for a nil db or a table name that [WithTable]
 // does not accept.
 func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if db == nil {
@@ -260,7 +274,10 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Store{db: db, table: t, q: newStatements(t), transactional: cfg.transactional, now: cfg.now, poolWait: cfg.poolWait}
+	s := &Store{db: db, table: t, named: newStatements(t), transactional: cfg.transactional, now: cfg.now, poolWait: cfg.poolWait}
+	if t.schema != "" {
+		s.q.Store(&s.named)
+	}
 	s.retention.Store(int64(idemserver.DefaultTTL))
 	return s, nil
 }
@@ -327,6 +344,9 @@ func (s *Store) claimAny(ctx context.Context, c idemserver.Claim, takeOver bool,
 	if err := s.checkClock(c); err != nil {
 		return idemserver.ClaimResult{}, sql.NullString{}, err
 	}
+	if _, err := s.statements(ctx); err != nil {
+		return idemserver.ClaimResult{}, sql.NullString{}, err
+	}
 	if s.transactional {
 		// A claim in transactional mode has no lease to take over: it
 		// ends with its transaction.
@@ -383,10 +403,10 @@ func (s *Store) claim(ctx context.Context, q querier, c idemserver.Claim) (idems
 		var err error
 		if db, pool := q.(*sql.DB); pool && readCommitted {
 			err = inReadCommitted(ctx, db, func(tx *sql.Tx) error {
-				return tx.QueryRowContext(ctx, s.q.claim, args...).Scan(r.dest()...)
+				return tx.QueryRowContext(ctx, s.stmt().claim, args...).Scan(r.dest()...)
 			})
 		} else {
-			err = q.QueryRowContext(ctx, s.q.claim, args...).Scan(r.dest()...)
+			err = q.QueryRowContext(ctx, s.stmt().claim, args...).Scan(r.dest()...)
 		}
 		switch {
 		case err == nil:
@@ -489,7 +509,7 @@ func (s *Store) record(c idemserver.Claim, r *row) (idemserver.Record, error) {
 // token and has expired, and reports whether it did.
 func (s *Store) replace(ctx context.Context, q querier, c idemserver.Claim, token string) (bool, error) {
 	lease := c.LeaseExpires.Sub(c.Now)
-	n, err := execRows(ctx, q, s.q.replace, []byte(c.Key.Scope), c.Key.Key, c.Fingerprint[:], c.Token,
+	n, err := execRows(ctx, q, s.stmt().replace, []byte(c.Key.Scope), c.Key.Key, c.Fingerprint[:], c.Token,
 		seconds(lease), token, s.sweepAfter(lease))
 	if err != nil {
 		return false, fmt.Errorf("pgstore: take over: %w", err)
@@ -555,7 +575,11 @@ func (s *Store) complete(ctx context.Context, key idemserver.Key, token string, 
 		}
 		return s.completeTx(ctx, st, ttl, encoded)
 	}
-	n, err := execRows(ctx, s.db, s.q.complete, []byte(key.Scope), key.Key, token, encoded, ttl)
+	q, err := s.statements(ctx)
+	if err != nil {
+		return fmt.Errorf("pgstore: complete: %w", err)
+	}
+	n, err := execRows(ctx, s.db, q.complete, []byte(key.Scope), key.Key, token, encoded, ttl)
 	if err != nil {
 		return fmt.Errorf("pgstore: complete: %w", err)
 	}
@@ -571,7 +595,11 @@ func (s *Store) Release(ctx context.Context, key idemserver.Key, token string) e
 		}
 		return s.releaseTx(ctx, st)
 	}
-	n, err := execRows(ctx, s.db, s.q.release, []byte(key.Scope), key.Key, token)
+	q, err := s.statements(ctx)
+	if err != nil {
+		return fmt.Errorf("pgstore: release: %w", err)
+	}
+	n, err := execRows(ctx, s.db, q.release, []byte(key.Scope), key.Key, token)
 	if err != nil {
 		return fmt.Errorf("pgstore: release: %w", err)
 	}
@@ -590,7 +618,11 @@ func (s *Store) Extend(ctx context.Context, key idemserver.Key, token string, le
 		}
 		return s.extendTx(ctx, st)
 	}
-	n, err := execRows(ctx, s.db, s.q.extend, []byte(key.Scope), key.Key, token, seconds(leaseExpires.Sub(s.now())))
+	q, err := s.statements(ctx)
+	if err != nil {
+		return fmt.Errorf("pgstore: extend: %w", err)
+	}
+	n, err := execRows(ctx, s.db, q.extend, []byte(key.Scope), key.Key, token, seconds(leaseExpires.Sub(s.now())))
 	if err != nil {
 		return fmt.Errorf("pgstore: extend: %w", err)
 	}

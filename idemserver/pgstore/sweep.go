@@ -43,10 +43,14 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 	// re-checked, or skipped while it is locked. Under repeatable read or
 	// serializable the statement would fail instead, and sweeps running
 	// at once would keep failing each other.
+	q, err := s.statements(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("pgstore: sweep: %w", err)
+	}
 	var n int64
-	err := inReadCommitted(ctx, s.db, func(tx *sql.Tx) error {
+	err = inReadCommitted(ctx, s.db, func(tx *sql.Tx) error {
 		var err error
-		n, err = execRows(ctx, tx, s.q.sweep, limit)
+		n, err = execRows(ctx, tx, q.sweep, limit)
 		return err
 	})
 	if err != nil {

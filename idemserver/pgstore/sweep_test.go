@@ -147,7 +147,7 @@ func TestSweepUsesItsIndex(t *testing.T) {
 	fillForSweep(t, db, s, 1000)
 	_, err := db.ExecContext(t.Context(), "ANALYZE "+s.table.quoted())
 	require.NoError(t, err)
-	rows, err := db.QueryContext(t.Context(), "EXPLAIN "+strings.Replace(s.q.sweep, "$1", "100", 1))
+	rows, err := db.QueryContext(t.Context(), "EXPLAIN "+strings.Replace(s.stmt().sweep, "$1", "100", 1))
 	require.NoError(t, err)
 	defer rows.Close()
 	var plan strings.Builder

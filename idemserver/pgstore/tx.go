@@ -46,7 +46,9 @@ func Tx(ctx context.Context) *sql.Tx {
 // transaction back and the middleware runs the request again, in a new
 // transaction, up to [idemserver.MaxReruns] times, instead of sending the
 // error. Failures the store meets itself, in its last write or the commit,
-// are rerun without it.
+// are rerun without it. A rerun repeats whatever the handler did outside
+// the database, as any retry after a 5xx does (see
+// [idemserver.MaxReruns]).
 func Rerun(ctx context.Context, err error) bool {
 	st, _ := ctx.Value(txKey{}).(*txState)
 	if st == nil || !retryable(err) {
@@ -199,7 +201,7 @@ func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.Cla
 			at                  sql.NullString
 			r                   row
 		)
-		err = st.tx.QueryRowContext(ctx, s.q.claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease), s.tokenLockID(c.Token)).
+		err = st.tx.QueryRowContext(ctx, s.stmt().claimTx, scope, c.Key.Key, c.Fingerprint[:], c.Token, seconds(lease), s.lockID(c.Key), s.sweepAfter(lease), s.tokenLockID(c.Token)).
 			Scan(append([]any{&locked, &tokenLocked, &at, &st.held}, r.dest()...)...)
 		won := at.Valid
 		st.at = at.String
@@ -264,7 +266,7 @@ func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimR
 	var r row
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
 		r = row{}
-		err := conn.QueryRowContext(ctx, s.q.read, []byte(c.Key.Scope), c.Key.Key).Scan(r.dest()...)
+		err := conn.QueryRowContext(ctx, s.stmt().read, []byte(c.Key.Scope), c.Key.Key).Scan(r.dest()...)
 		_ = conn.Close()
 		return err
 	})
@@ -286,7 +288,10 @@ func (s *Store) read(ctx context.Context, c idemserver.Claim) (idemserver.ClaimR
 // lockID returns the advisory lock of a key: 64 bits of a SHA-256 of the
 // table and the key, so that no tenant can pick keys whose locks collide
 // with another's. The claim mixes the table's oid into it, since the
-// table's name may lack a schema.
+// table's name may lack a schema. The name hashed is the one given to
+// WithTable, not the one with the schema the store found (see resolve),
+// so that every instance of a table takes the same lock for a key,
+// whichever build it runs.
 func (s *Store) lockID(k idemserver.Key) int64 {
 	return lockHash(s.table.quoted(), k.Scope, k.Key)
 }
@@ -343,11 +348,11 @@ func (s *Store) extendTx(ctx context.Context, st *txState) error {
 	var held bool
 	err := s.onConn(ctx, func(conn *sql.Conn) error {
 		defer conn.Close()
-		if err := conn.QueryRowContext(ctx, s.q.held, st.held).Scan(&held); err != nil || held {
+		if err := conn.QueryRowContext(ctx, s.stmt().held, st.held).Scan(&held); err != nil || held {
 			return err
 		}
 		var r row
-		err := conn.QueryRowContext(ctx, s.q.read, []byte(st.key.Scope), st.key.Key).Scan(r.dest()...)
+		err := conn.QueryRowContext(ctx, s.stmt().read, []byte(st.key.Scope), st.key.Key).Scan(r.dest()...)
 		held = err == nil && r.token.Valid && r.token.String == st.token
 		if errors.Is(err, sql.ErrNoRows) {
 			err = nil
@@ -366,11 +371,14 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 	var n int64
 	var err error
 	if st.at != "" {
-		n, err = execRows(ctx, st.tx, s.q.completeAt, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl, st.at)
-	} else {
+		n, err = execRows(ctx, st.tx, s.stmt().completeAt, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl, st.at)
+	}
+	if err == nil && n == 0 {
 		// A claim that replaced an expired row read it through the
-		// index already.
-		n, err = execRows(ctx, st.tx, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+		// index already. A row the claim inserted is no longer at its
+		// ctid once the transaction updated it (the handler, through
+		// Tx, or a trigger): its latest version is found by key.
+		n, err = execRows(ctx, st.tx, s.stmt().complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
 	}
 	if errors.Is(err, sql.ErrTxDone) {
 		return s.completeEndedTx(ctx, st, ttl, encoded)
@@ -406,7 +414,7 @@ func (s *Store) completeTx(ctx context.Context, st *txState, ttl float64, encode
 // again). If the handler rolled back, no claim is there and nothing was
 // kept.
 func (s *Store) completeEndedTx(ctx context.Context, st *txState, ttl float64, encoded []byte) error {
-	n, err := s.execEnded(ctx, st, s.q.complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
+	n, err := s.execEnded(ctx, st, s.stmt().complete, []byte(st.key.Scope), st.key.Key, st.token, encoded, ttl)
 	switch {
 	case err != nil:
 		// Whether the handler committed cannot be told: nothing may be
@@ -475,7 +483,7 @@ func (s *Store) releaseTx(ctx context.Context, st *txState) error {
 // progress for as long as the row is there. If the handler rolled back, no
 // row is there, and nothing is left to release.
 func (s *Store) releaseEndedTx(ctx context.Context, st *txState) error {
-	if _, err := s.execEnded(ctx, st, s.q.release, []byte(st.key.Scope), st.key.Key, st.token); err != nil {
+	if _, err := s.execEnded(ctx, st, s.stmt().release, []byte(st.key.Scope), st.key.Key, st.token); err != nil {
 		// The claim may still be there, held: the middleware may try
 		// the release again.
 		st.ended.Store(false)
