@@ -36,7 +36,10 @@ func (f *flights) start(operation string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if _, ok := f.ops[operation]; ok {
-		return fmt.Errorf("%w: %q", ErrOperationInFlight, operation)
+		// Says what holds it: most often a response body not yet read
+		// or closed, which nothing else would point to.
+		return fmt.Errorf("%w: %q: another call is sending it, or holds its final response with the body not yet read or closed",
+			ErrOperationInFlight, operation)
 	}
 	if f.ops == nil {
 		f.ops = make(map[string]struct{})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -485,4 +486,45 @@ func TestConcurrentCallsOfOneOperationNeverShareAKeyInFlight(t *testing.T) {
 	assert.Zero(t, store.worst, "a key was released while another call that sent it was unsettled")
 	assert.Equal(t, int32(8*20), sends.Load()+refused.Load(), "a refused call sent nothing")
 	assert.False(t, store.flights.inFlight("op"))
+}
+
+// A call refused because its operation is in flight is reported like any
+// attempt refused before it was sent: once to the hook, with Sent false,
+// and to the logger at Warn, as a give-up.
+func TestOperationInFlightRefusalIsReported(t *testing.T) {
+	var attempts recorder[Attempt]
+	h := &recordHandler{}
+	store := NewMemoryKeyStore()
+	tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp := okResponse(r, 200)
+		resp.Body = io.NopCloser(strings.NewReader("paid"))
+		return resp, nil
+	}), WithKeyStore(store), WithAttemptHook(func(a Attempt) { attempts.add(a) }), WithLogger(slog.New(h)))
+
+	first, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err)
+	defer first.Body.Close()
+	_, err = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.ErrorIs(t, err, ErrOperationInFlight)
+	assert.Contains(t, err.Error(), `"op": another call is sending it, or holds its final response with the body not yet read or closed`,
+		"the error says what may hold the operation")
+
+	all := attempts.all()
+	require.Len(t, all, 2, "the first call's attempt and the refusal")
+	a := all[1]
+	assert.Equal(t, ReasonOperationInFlight, a.Reason)
+	assert.False(t, a.Sent)
+	assert.Equal(t, 1, a.Number)
+	assert.Equal(t, "op", a.Operation)
+	assert.Empty(t, a.Key, "no key was taken")
+	assert.ErrorIs(t, a.Err, ErrOperationInFlight)
+
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	require.Len(t, h.records, 1, "the first call's success is not logged")
+	r := h.records[0]
+	assert.Equal(t, slog.LevelWarn, r.Level)
+	assert.Equal(t, "idemhttp: giving up", r.Message)
+	assert.Equal(t, string(ReasonOperationInFlight), attrs(r)["reason"])
+	assert.Equal(t, "op", attrs(r)["operation"])
 }

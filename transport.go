@@ -260,7 +260,11 @@ type call struct {
 func (c *call) run() (*http.Response, error) {
 	if err := c.assignKey(); err != nil {
 		if errors.Is(err, ErrOperationInFlight) {
-			return nil, c.giveUp(0, ReasonOperationInFlight, err)
+			// The first attempt is refused before it is sent, as an open
+			// breaker refuses it, and is reported so: a program that
+			// drives one operation from two places learns of it in its
+			// logs and metrics, not only from the error.
+			return c.refused(1, outcome{}, ReasonOperationInFlight, err)
 		}
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
@@ -471,10 +475,11 @@ func (c *call) assignKey() error {
 // holds it: this call must not send the operation's key while another
 // may release it (see flights).
 func (c *call) startFlight(f *flights, operation string) error {
+	c.operation = operation // named in the report of a refusal too
 	if err := f.start(operation); err != nil {
 		return err
 	}
-	c.flight, c.operation = f, operation
+	c.flight = f
 	return nil
 }
 
