@@ -528,3 +528,112 @@ func TestOperationInFlightRefusalIsReported(t *testing.T) {
 	assert.Equal(t, string(ReasonOperationInFlight), attrs(r)["reason"])
 	assert.Equal(t, "op", attrs(r)["operation"])
 }
+
+// Between the redirect RoundTrip returns and the request http.Client
+// sends to follow it, the operation is not in flight, so another call of
+// it may run whole in that gap. Its outcome need not be final (here its
+// response is lost, so it leaves the key pending for its caller to call
+// again). The redirected call's outcome then must not release the key:
+// the other caller would call again under a new key, and the server would
+// charge twice.
+func TestCallInARedirectsGapKeepsItsKeyPending(t *testing.T) {
+	for _, code := range []int{http.StatusSeeOther, http.StatusTemporaryRedirect} {
+		t.Run(http.StatusText(code), func(t *testing.T) {
+			var executions atomic.Int32
+			charge := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				executions.Add(1)
+				w.Header().Set("Location", "/receipt")
+				w.WriteHeader(code)
+			})
+			mw := idemserver.Middleware(idemserver.NewMemoryStore())(charge)
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/receipt" {
+					io.WriteString(w, "paid")
+					return
+				}
+				mw.ServeHTTP(w, r)
+			}))
+			defer srv.Close()
+			// A request marked with faultHeader reaches the server, and its
+			// response is lost.
+			real := srv.Client().Transport
+			base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				resp, err := real.RoundTrip(r)
+				if err == nil && r.Header.Get(faultHeader) != "" {
+					discard(resp)
+					return nil, io.ErrUnexpectedEOF
+				}
+				return resp, err
+			})
+			store := NewMemoryKeyStore()
+			tr := NewTransport(base, WithKeyStore(store), WithMaxAttempts(1))
+			defer tr.CloseIdleConnections()
+
+			var otherErr error
+			first := &http.Client{Transport: tr, CheckRedirect: func(*http.Request, []*http.Request) error {
+				if otherErr != nil {
+					return nil
+				}
+				// Another part of the program calls the operation now.
+				req := post(t, opCtx(), srv.URL+"/charge", "charge")
+				req.Header.Set(faultHeader, "lost")
+				_, otherErr = (&http.Client{Transport: tr}).Do(req)
+				return nil
+			}}
+			resp, err := first.Do(post(t, opCtx(), srv.URL+"/charge", "charge"))
+			require.NoError(t, err)
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Equal(t, "paid", string(body))
+
+			require.ErrorIs(t, otherErr, io.ErrUnexpectedEOF, "the other call's response was lost")
+			assert.NotEmpty(t, pendingKeys(t, store), "the other call's caller has no final outcome: the key stays pending")
+
+			// So that caller calls again, and gets the first outcome.
+			resp, err = (&http.Client{Transport: tr}).Do(post(t, opCtx(), srv.URL+"/charge", "charge"))
+			require.NoError(t, err)
+			body, err = io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Equal(t, "paid", string(body))
+			assert.EqualValues(t, 1, executions.Load(), "the charge ran once")
+			assert.Empty(t, pendingKeys(t, store))
+		})
+	}
+}
+
+// A redirect that http.Client does not follow leaves its operation free:
+// the next call is sent with the pending key, and the request that
+// follows its redirect releases the key.
+func TestUnfollowedRedirectLeavesTheOperationFree(t *testing.T) {
+	var keys recorder[string]
+	store := NewMemoryKeyStore()
+	tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		keys.add(r.Header.Get(DefaultKeyHeader))
+		if r.URL.Path == "/charge" {
+			return okResponse(r, http.StatusSeeOther, "Location", "/receipt"), nil
+		}
+		return okResponse(r, 200), nil
+	}), WithKeyStore(store))
+
+	stop := &http.Client{Transport: tr, CheckRedirect: func(*http.Request, []*http.Request) error {
+		return http.ErrUseLastResponse
+	}}
+	resp, err := stop.Do(post(t, opCtx(), "http://x.test/charge", "charge"))
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusSeeOther, resp.StatusCode)
+	assert.False(t, store.flights.inFlight("op"))
+	require.Len(t, pendingKeys(t, store), 1, "a redirect not followed leaves the key pending")
+
+	resp, err = (&http.Client{Transport: tr}).Do(post(t, opCtx(), "http://x.test/charge", "charge"))
+	require.NoError(t, err, "the next call is not refused")
+	resp.Body.Close()
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	sent := keys.all()
+	require.Len(t, sent, 3)
+	assert.Equal(t, sent[0], sent[1], "the next call sends the pending key")
+	assert.Empty(t, pendingKeys(t, store), "the request that follows releases it")
+	assert.False(t, store.flights.inFlight("op"))
+}
