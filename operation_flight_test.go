@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -313,6 +314,23 @@ func TestOperationFlightEndsOnEveryPath(t *testing.T) {
 				_, err = io.ReadAll(resp.Body)
 				require.ErrorIs(t, err, context.DeadlineExceeded)
 				assert.False(t, inFlight())
+				resp.Body.Close()
+			}, true},
+		{"http.Client's Timeout ends the body's read", func(r *http.Request) (*http.Response, error) {
+			resp := okResponse(r, 200)
+			resp.Body = blockingBody{r.Context()}
+			return resp, nil
+		}, nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				client := &http.Client{Transport: tr, Timeout: time.Second}
+				resp, err := client.Do(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				time.Sleep(2 * time.Second)
+				synctest.Wait()
+				assert.True(t, inFlight(), "a body neither read nor closed holds the flight, timed out or not")
+				_, err = io.ReadAll(resp.Body)
+				require.Error(t, err)
+				assert.False(t, inFlight(), "ended by the read the timeout failed")
 				resp.Body.Close()
 			}, true},
 	}
@@ -636,4 +654,44 @@ func TestUnfollowedRedirectLeavesTheOperationFree(t *testing.T) {
 	assert.Equal(t, sent[0], sent[1], "the next call sends the pending key")
 	assert.Empty(t, pendingKeys(t, store), "the request that follows releases it")
 	assert.False(t, store.flights.inFlight("op"))
+}
+
+// A FileKeyStore closed while a call of an operation holds its final
+// response, and opened again in the process: the new store has no marks,
+// so the next call is sent, with the pending key; the old call's body,
+// read or closed later, cannot release the key through the closed store,
+// so the key stays pending until a call through the new store settles it.
+func TestFileKeyStoreReopenedWhileAnOperationIsInFlight(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "keys")
+	var keys recorder[string]
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		keys.add(r.Header.Get(DefaultKeyHeader))
+		resp := okResponse(r, 200)
+		resp.Body = io.NopCloser(strings.NewReader("paid"))
+		return resp, nil
+	})
+	old, err := OpenFileKeyStore(path)
+	require.NoError(t, err)
+	held, err := NewTransport(base, WithKeyStore(old)).RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err)
+	require.True(t, old.flights.inFlight("op"))
+	require.NoError(t, old.Close())
+
+	reopened := openTestStore(t, path)
+	assert.False(t, reopened.flights.inFlight("op"), "the marks are the store object's")
+	_, err = io.ReadAll(held.Body)
+	require.NoError(t, err)
+	held.Body.Close()
+	assert.False(t, old.flights.inFlight("op"), "the old body ended its flight")
+	assert.Len(t, pendingKeys(t, reopened), 1, "the closed store released nothing")
+
+	resp, err := NewTransport(base, WithKeyStore(reopened)).RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err)
+	_, err = io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Body.Close()
+	sent := keys.all()
+	require.Len(t, sent, 2)
+	assert.Equal(t, sent[0], sent[1], "the next call sends the pending key")
+	assert.Empty(t, pendingKeys(t, reopened))
 }
