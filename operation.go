@@ -39,8 +39,9 @@ type operationKey struct{}
 // sent, but its outcome leaves the key pending, for the other call's
 // caller may still need it, and the next call gets the server's replay. A
 // body whose outcome may release the key keeps the operation in flight
-// until it is read to its end, fails or is closed, so close every
-// response body, as net/http already requires. A refusal is reported to
+// until it is read to its end, fails or is closed, even once the call's
+// context has ended (a response abandoned when a timeout fires holds it
+// too), so close every response body, as net/http already requires. A refusal is reported to
 // the attempt hook and the logger as a first attempt not sent, with
 // [ReasonOperationInFlight]. The marks live in memory: after a restart
 // nothing is in flight, and a call resumes the pending key. A KeyStore of

@@ -695,3 +695,31 @@ func TestFileKeyStoreReopenedWhileAnOperationIsInFlight(t *testing.T) {
 	assert.Equal(t, sent[0], sent[1], "the next call sends the pending key")
 	assert.Empty(t, pendingKeys(t, reopened))
 }
+
+// A final response abandoned when its call's context ends (a caller that
+// gave up waiting and calls again from elsewhere) holds the operation
+// until its body is closed: the next call is refused with an error that
+// says so, and is sent once the body is closed.
+func TestAbandonedResponseHoldsItsOperationUntilClosed(t *testing.T) {
+	store := NewMemoryKeyStore()
+	tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp := okResponse(r, 200)
+		resp.Body = io.NopCloser(strings.NewReader("paid"))
+		return resp, nil
+	}), WithKeyStore(store))
+
+	ctx, cancel := context.WithCancel(opCtx())
+	abandoned, err := tr.RoundTrip(post(t, ctx, "http://x.test", "charge"))
+	require.NoError(t, err)
+	cancel()
+
+	_, err = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.ErrorIs(t, err, ErrOperationInFlight)
+	assert.Contains(t, err.Error(), "not yet read or closed")
+	assert.Len(t, pendingKeys(t, store), 1, "the key stays pending")
+
+	abandoned.Body.Close()
+	resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err, "sent once the abandoned body is closed")
+	resp.Body.Close()
+}
