@@ -91,12 +91,27 @@ func (f *flights) end(operation string) {
 // hand ends operation's flight, whose holder returned a redirect that
 // http.Client may follow, and keeps its mark for the request that follows
 // (see follow). A mark whose redirect is never followed stays until the
-// operation's next call ends: one per operation left pending, at most.
+// operation's next call ends or, in a KeyStore of this package, until its
+// key is released (see dropHanded).
 func (f *flights) hand(operation string) {
 	f.mu.Lock()
 	if fl, ok := f.ops[operation]; ok {
 		fl.held = false
 		f.ops[operation] = fl
+	}
+	f.mu.Unlock()
+}
+
+// dropHanded drops operation's mark if it was handed on to a redirect's
+// follow-up and no call holds it. A KeyStore of this package calls it
+// when it releases operation's pending key: a caller that acts on a
+// redirect itself releases the key so, and the request that would have
+// followed never comes. Were it to come, it would find no mark and
+// release nothing.
+func (f *flights) dropHanded(operation string) {
+	f.mu.Lock()
+	if fl, ok := f.ops[operation]; ok && !fl.held {
+		delete(f.ops, operation)
 	}
 	f.mu.Unlock()
 }

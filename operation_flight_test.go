@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -722,4 +723,42 @@ func TestAbandonedResponseHoldsItsOperationUntilClosed(t *testing.T) {
 	resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
 	require.NoError(t, err, "sent once the abandoned body is closed")
 	resp.Body.Close()
+}
+
+// marks counts the operations f keeps a mark of, in flight or handed on
+// to a redirect's follow-up.
+func (f *flights) marks() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.ops)
+}
+
+// A redirect of an operation that is not followed leaves its mark for the
+// request that would follow it; a caller that acts on the redirect itself
+// and releases the key with the KeyStore's Release drops the mark too, so
+// that such operations leave nothing behind.
+func TestReleasingAnUnfollowedRedirectsKeyDropsItsMark(t *testing.T) {
+	for _, newStore := range []func(t *testing.T) KeyStore{
+		func(*testing.T) KeyStore { return NewMemoryKeyStore() },
+		func(t *testing.T) KeyStore { return openTestStore(t, filepath.Join(t.TempDir(), "keys")) },
+	} {
+		store := newStore(t)
+		flights := store.(flightsHolder).operationFlights()
+		tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			return okResponse(r, http.StatusSeeOther, "Location", "/receipt"), nil
+		}), WithKeyStore(store))
+		client := &http.Client{Transport: tr, CheckRedirect: func(*http.Request, []*http.Request) error {
+			return http.ErrUseLastResponse
+		}}
+		for i := range 3 {
+			op := fmt.Sprintf("op-%d", i)
+			resp, err := client.Do(post(t, WithOperation(context.Background(), op), "http://x.test/charge", "charge"))
+			require.NoError(t, err)
+			resp.Body.Close()
+			pending := pendingKeys(t, store)
+			require.Contains(t, pending, op)
+			require.NoError(t, store.Release(context.Background(), op, pending[op]))
+		}
+		assert.Zero(t, flights.marks(), "%T: no mark outlives its released key", store)
+	}
 }
