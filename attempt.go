@@ -15,8 +15,9 @@ type Attempt struct {
 	Number int
 	// Sent reports whether the attempt was sent. An attempt refused before
 	// sending (an open circuit breaker, a rate-limit wait that could not
-	// end in time, a body that could not be replayed) is reported too, with
-	// Sent false and Err saying why.
+	// end in time, a body that could not be replayed, another call of its
+	// operation in flight) is reported too, with Sent false and Err saying
+	// why.
 	Sent bool
 	// StatusCode is the response status, or 0 if the attempt failed with Err.
 	StatusCode int
@@ -82,7 +83,8 @@ const (
 	// key generator or the KeyStore failed), so nothing was sent.
 	ReasonKeyStore Reason = "key store failed"
 	// ReasonOperationInFlight: another call of the request's operation is
-	// in flight (see [WithOperation]); nothing was sent.
+	// in flight (see [WithOperation]); nothing was sent. The refused first
+	// attempt is reported, with no key: none was taken.
 	ReasonOperationInFlight Reason = "operation in flight"
 )
 

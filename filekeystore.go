@@ -504,6 +504,7 @@ func (s *FileKeyStore) Release(ctx context.Context, operation, key string) error
 		return s.waitLocked(ctx, s.releaseSeq)
 	}
 	delete(s.entries, operation)
+	s.flights.dropHanded(operation)
 	s.liveBytes -= int64(keylog.AcquireSize(len(operation), len(key)))
 	s.queue = keylog.AppendRelease(s.queue, operation, key)
 	s.releaseSeq = s.enqueuedLocked(queued{release: true, op: operation, e: e, acqSeq: s.inflight[operation]})

@@ -130,6 +130,7 @@ func (s *MemoryKeyStore) Release(ctx context.Context, operation, key string) err
 	defer s.mu.Unlock()
 	if p, ok := s.pending[operation]; ok && p.Key == key {
 		delete(s.pending, operation)
+		s.flights.dropHanded(operation)
 	}
 	return nil
 }

@@ -33,15 +33,22 @@ type operationKey struct{}
 // retries run out, would call again under a new key, and the server would
 // act a second time. The request that [http.Client] sends to follow a
 // redirect of the operation is part of the call and takes the flight
-// again; it is refused only if another call of the operation started in
-// between, after the redirect was returned and before it was followed. A body whose outcome may release the key keeps the operation
-// in flight until it is read to its end, fails or is closed, so close
-// every response body, as net/http already requires. The marks live in
-// memory: after a restart nothing is in flight, and a call resumes the
-// pending key. A KeyStore of another package is shared safely only through
-// one Transport; Transports of their own over it each see only their own
-// calls in flight. The KeyStores of this package keep the marks
-// themselves, for every Transport over them.
+// again. Another call of the operation may run in between, after the
+// redirect was returned and before it is followed: the request that
+// follows is then refused if that call is still in flight, and otherwise
+// sent, but its outcome leaves the key pending, for the other call's
+// caller may still need it, and the next call gets the server's replay. A
+// body whose outcome may release the key keeps the operation in flight
+// until it is read to its end, fails or is closed, even once the call's
+// context has ended (a response abandoned when a timeout fires holds it
+// too), so close every response body, as net/http already requires. A refusal is reported to
+// the attempt hook and the logger as a first attempt not sent, with
+// [ReasonOperationInFlight]. The marks live in memory: after a restart
+// nothing is in flight, and a call resumes the pending key. A KeyStore of
+// another package is shared safely only through one Transport; Transports
+// of their own over it each see only their own calls in flight. The
+// KeyStores of this package keep the marks themselves, for every
+// Transport over them.
 //
 // Once an operation's key has been released, a call with its id starts
 // the operation anew under a new key. So two parts of a program that run

@@ -15,11 +15,26 @@ import (
 // that holds it, before the flight ends: so a call that sent the key
 // always learns its outcome before anyone may release it.
 //
+// A call that returns a redirect [http.Client] may follow hands its
+// flight on to the request that follows it (see follow). That request
+// comes only after RoundTrip has returned, so the operation is not in
+// flight meanwhile, and another call of it may run whole in the gap and
+// leave the key pending for its caller. Each flight has a number, and the
+// mark of a handed flight stays until another call starts: the request
+// that follows learns whether one did, and if so must not release the key.
+//
 // The marks live in process memory: nothing is in flight after a restart.
 // The zero value is ready to use.
 type flights struct {
-	mu  sync.Mutex
-	ops map[string]struct{}
+	mu   sync.Mutex
+	ops  map[string]flight
+	last uint64 // the number of the latest flight started
+}
+
+// flight is the mark of an operation's flight.
+type flight struct {
+	n    uint64 // the flight's number
+	held bool   // false once handed to the request that follows a redirect
 }
 
 // flightsHolder is implemented by the KeyStores of this package, which
@@ -30,19 +45,39 @@ type flightsHolder interface {
 	operationFlights() *flights
 }
 
-// start marks operation as in flight. It fails, wrapping
-// [ErrOperationInFlight], if it already is.
-func (f *flights) start(operation string) error {
+// start marks operation as in flight, and returns the flight's number.
+// It fails, wrapping [ErrOperationInFlight], if it already is.
+func (f *flights) start(operation string) (uint64, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if _, ok := f.ops[operation]; ok {
-		return fmt.Errorf("%w: %q", ErrOperationInFlight, operation)
+	return f.startLocked(operation)
+}
+
+// follow starts operation's flight for the request that follows a
+// redirect, which flight number n handed on. It fails as start does, and
+// reports whether another flight of operation started after n was handed
+// on: another call sent the key since, and its caller may still need it.
+func (f *flights) follow(operation string, n uint64) (m uint64, another bool, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	prev, ok := f.ops[operation]
+	m, err = f.startLocked(operation)
+	return m, !ok || prev.n != n, err
+}
+
+func (f *flights) startLocked(operation string) (uint64, error) {
+	if f.ops[operation].held {
+		// Says what holds it: most often a response body not yet read
+		// or closed, which nothing else would point to.
+		return 0, fmt.Errorf("%w: %q: another call is sending it, or holds its final response with the body not yet read or closed",
+			ErrOperationInFlight, operation)
 	}
 	if f.ops == nil {
-		f.ops = make(map[string]struct{})
+		f.ops = make(map[string]flight)
 	}
-	f.ops[operation] = struct{}{}
-	return nil
+	f.last++
+	f.ops[operation] = flight{n: f.last, held: true}
+	return f.last, nil
 }
 
 // end marks operation as no longer in flight. The call that started the
@@ -53,12 +88,39 @@ func (f *flights) end(operation string) {
 	f.mu.Unlock()
 }
 
+// hand ends operation's flight, whose holder returned a redirect that
+// http.Client may follow, and keeps its mark for the request that follows
+// (see follow). A mark whose redirect is never followed stays until the
+// operation's next call ends or, in a KeyStore of this package, until its
+// key is released (see dropHanded).
+func (f *flights) hand(operation string) {
+	f.mu.Lock()
+	if fl, ok := f.ops[operation]; ok {
+		fl.held = false
+		f.ops[operation] = fl
+	}
+	f.mu.Unlock()
+}
+
+// dropHanded drops operation's mark if it was handed on to a redirect's
+// follow-up and no call holds it. A KeyStore of this package calls it
+// when it releases operation's pending key: a caller that acts on a
+// redirect itself releases the key so, and the request that would have
+// followed never comes. Were it to come, it would find no mark and
+// release nothing.
+func (f *flights) dropHanded(operation string) {
+	f.mu.Lock()
+	if fl, ok := f.ops[operation]; ok && !fl.held {
+		delete(f.ops, operation)
+	}
+	f.mu.Unlock()
+}
+
 // inFlight reports whether operation is in flight.
 func (f *flights) inFlight(operation string) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	_, ok := f.ops[operation]
-	return ok
+	return f.ops[operation].held
 }
 
 // flightsOf returns the marks of store's operations: the store's own if

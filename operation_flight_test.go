@@ -3,9 +3,12 @@ package idemhttp
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -314,6 +317,23 @@ func TestOperationFlightEndsOnEveryPath(t *testing.T) {
 				assert.False(t, inFlight())
 				resp.Body.Close()
 			}, true},
+		{"http.Client's Timeout ends the body's read", func(r *http.Request) (*http.Response, error) {
+			resp := okResponse(r, 200)
+			resp.Body = blockingBody{r.Context()}
+			return resp, nil
+		}, nil,
+			func(t *testing.T, tr *Transport, inFlight func() bool) {
+				client := &http.Client{Transport: tr, Timeout: time.Second}
+				resp, err := client.Do(post(t, opCtx(), "http://x.test", "charge"))
+				require.NoError(t, err)
+				time.Sleep(2 * time.Second)
+				synctest.Wait()
+				assert.True(t, inFlight(), "a body neither read nor closed holds the flight, timed out or not")
+				_, err = io.ReadAll(resp.Body)
+				require.Error(t, err)
+				assert.False(t, inFlight(), "ended by the read the timeout failed")
+				resp.Body.Close()
+			}, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -485,4 +505,260 @@ func TestConcurrentCallsOfOneOperationNeverShareAKeyInFlight(t *testing.T) {
 	assert.Zero(t, store.worst, "a key was released while another call that sent it was unsettled")
 	assert.Equal(t, int32(8*20), sends.Load()+refused.Load(), "a refused call sent nothing")
 	assert.False(t, store.flights.inFlight("op"))
+}
+
+// A call refused because its operation is in flight is reported like any
+// attempt refused before it was sent: once to the hook, with Sent false,
+// and to the logger at Warn, as a give-up.
+func TestOperationInFlightRefusalIsReported(t *testing.T) {
+	var attempts recorder[Attempt]
+	h := &recordHandler{}
+	store := NewMemoryKeyStore()
+	tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp := okResponse(r, 200)
+		resp.Body = io.NopCloser(strings.NewReader("paid"))
+		return resp, nil
+	}), WithKeyStore(store), WithAttemptHook(func(a Attempt) { attempts.add(a) }), WithLogger(slog.New(h)))
+
+	first, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err)
+	defer first.Body.Close()
+	_, err = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.ErrorIs(t, err, ErrOperationInFlight)
+	assert.Contains(t, err.Error(), `"op": another call is sending it, or holds its final response with the body not yet read or closed`,
+		"the error says what may hold the operation")
+
+	all := attempts.all()
+	require.Len(t, all, 2, "the first call's attempt and the refusal")
+	a := all[1]
+	assert.Equal(t, ReasonOperationInFlight, a.Reason)
+	assert.False(t, a.Sent)
+	assert.Equal(t, 1, a.Number)
+	assert.Equal(t, "op", a.Operation)
+	assert.Empty(t, a.Key, "no key was taken")
+	assert.ErrorIs(t, a.Err, ErrOperationInFlight)
+
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	require.Len(t, h.records, 1, "the first call's success is not logged")
+	r := h.records[0]
+	assert.Equal(t, slog.LevelWarn, r.Level)
+	assert.Equal(t, "idemhttp: giving up", r.Message)
+	assert.Equal(t, string(ReasonOperationInFlight), attrs(r)["reason"])
+	assert.Equal(t, "op", attrs(r)["operation"])
+}
+
+// Between the redirect RoundTrip returns and the request http.Client
+// sends to follow it, the operation is not in flight, so another call of
+// it may run whole in that gap. Its outcome need not be final (here its
+// response is lost, so it leaves the key pending for its caller to call
+// again). The redirected call's outcome then must not release the key:
+// the other caller would call again under a new key, and the server would
+// charge twice.
+func TestCallInARedirectsGapKeepsItsKeyPending(t *testing.T) {
+	for _, code := range []int{http.StatusSeeOther, http.StatusTemporaryRedirect} {
+		t.Run(http.StatusText(code), func(t *testing.T) {
+			var executions atomic.Int32
+			charge := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				executions.Add(1)
+				w.Header().Set("Location", "/receipt")
+				w.WriteHeader(code)
+			})
+			mw := idemserver.Middleware(idemserver.NewMemoryStore())(charge)
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/receipt" {
+					io.WriteString(w, "paid")
+					return
+				}
+				mw.ServeHTTP(w, r)
+			}))
+			defer srv.Close()
+			// A request marked with faultHeader reaches the server, and its
+			// response is lost.
+			real := srv.Client().Transport
+			base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+				resp, err := real.RoundTrip(r)
+				if err == nil && r.Header.Get(faultHeader) != "" {
+					discard(resp)
+					return nil, io.ErrUnexpectedEOF
+				}
+				return resp, err
+			})
+			store := NewMemoryKeyStore()
+			tr := NewTransport(base, WithKeyStore(store), WithMaxAttempts(1))
+			defer tr.CloseIdleConnections()
+
+			var otherErr error
+			first := &http.Client{Transport: tr, CheckRedirect: func(*http.Request, []*http.Request) error {
+				if otherErr != nil {
+					return nil
+				}
+				// Another part of the program calls the operation now.
+				req := post(t, opCtx(), srv.URL+"/charge", "charge")
+				req.Header.Set(faultHeader, "lost")
+				_, otherErr = (&http.Client{Transport: tr}).Do(req)
+				return nil
+			}}
+			resp, err := first.Do(post(t, opCtx(), srv.URL+"/charge", "charge"))
+			require.NoError(t, err)
+			body, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Equal(t, "paid", string(body))
+
+			require.ErrorIs(t, otherErr, io.ErrUnexpectedEOF, "the other call's response was lost")
+			assert.NotEmpty(t, pendingKeys(t, store), "the other call's caller has no final outcome: the key stays pending")
+
+			// So that caller calls again, and gets the first outcome.
+			resp, err = (&http.Client{Transport: tr}).Do(post(t, opCtx(), srv.URL+"/charge", "charge"))
+			require.NoError(t, err)
+			body, err = io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			resp.Body.Close()
+			assert.Equal(t, "paid", string(body))
+			assert.EqualValues(t, 1, executions.Load(), "the charge ran once")
+			assert.Empty(t, pendingKeys(t, store))
+		})
+	}
+}
+
+// A redirect that http.Client does not follow leaves its operation free:
+// the next call is sent with the pending key, and the request that
+// follows its redirect releases the key.
+func TestUnfollowedRedirectLeavesTheOperationFree(t *testing.T) {
+	var keys recorder[string]
+	store := NewMemoryKeyStore()
+	tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		keys.add(r.Header.Get(DefaultKeyHeader))
+		if r.URL.Path == "/charge" {
+			return okResponse(r, http.StatusSeeOther, "Location", "/receipt"), nil
+		}
+		return okResponse(r, 200), nil
+	}), WithKeyStore(store))
+
+	stop := &http.Client{Transport: tr, CheckRedirect: func(*http.Request, []*http.Request) error {
+		return http.ErrUseLastResponse
+	}}
+	resp, err := stop.Do(post(t, opCtx(), "http://x.test/charge", "charge"))
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusSeeOther, resp.StatusCode)
+	assert.False(t, store.flights.inFlight("op"))
+	require.Len(t, pendingKeys(t, store), 1, "a redirect not followed leaves the key pending")
+
+	resp, err = (&http.Client{Transport: tr}).Do(post(t, opCtx(), "http://x.test/charge", "charge"))
+	require.NoError(t, err, "the next call is not refused")
+	resp.Body.Close()
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	sent := keys.all()
+	require.Len(t, sent, 3)
+	assert.Equal(t, sent[0], sent[1], "the next call sends the pending key")
+	assert.Empty(t, pendingKeys(t, store), "the request that follows releases it")
+	assert.False(t, store.flights.inFlight("op"))
+}
+
+// A FileKeyStore closed while a call of an operation holds its final
+// response, and opened again in the process: the new store has no marks,
+// so the next call is sent, with the pending key; the old call's body,
+// read or closed later, cannot release the key through the closed store,
+// so the key stays pending until a call through the new store settles it.
+func TestFileKeyStoreReopenedWhileAnOperationIsInFlight(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "keys")
+	var keys recorder[string]
+	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		keys.add(r.Header.Get(DefaultKeyHeader))
+		resp := okResponse(r, 200)
+		resp.Body = io.NopCloser(strings.NewReader("paid"))
+		return resp, nil
+	})
+	old, err := OpenFileKeyStore(path)
+	require.NoError(t, err)
+	held, err := NewTransport(base, WithKeyStore(old)).RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err)
+	require.True(t, old.flights.inFlight("op"))
+	require.NoError(t, old.Close())
+
+	reopened := openTestStore(t, path)
+	assert.False(t, reopened.flights.inFlight("op"), "the marks are the store object's")
+	_, err = io.ReadAll(held.Body)
+	require.NoError(t, err)
+	held.Body.Close()
+	assert.False(t, old.flights.inFlight("op"), "the old body ended its flight")
+	assert.Len(t, pendingKeys(t, reopened), 1, "the closed store released nothing")
+
+	resp, err := NewTransport(base, WithKeyStore(reopened)).RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err)
+	_, err = io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Body.Close()
+	sent := keys.all()
+	require.Len(t, sent, 2)
+	assert.Equal(t, sent[0], sent[1], "the next call sends the pending key")
+	assert.Empty(t, pendingKeys(t, reopened))
+}
+
+// A final response abandoned when its call's context ends (a caller that
+// gave up waiting and calls again from elsewhere) holds the operation
+// until its body is closed: the next call is refused with an error that
+// says so, and is sent once the body is closed.
+func TestAbandonedResponseHoldsItsOperationUntilClosed(t *testing.T) {
+	store := NewMemoryKeyStore()
+	tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp := okResponse(r, 200)
+		resp.Body = io.NopCloser(strings.NewReader("paid"))
+		return resp, nil
+	}), WithKeyStore(store))
+
+	ctx, cancel := context.WithCancel(opCtx())
+	abandoned, err := tr.RoundTrip(post(t, ctx, "http://x.test", "charge"))
+	require.NoError(t, err)
+	cancel()
+
+	_, err = tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.ErrorIs(t, err, ErrOperationInFlight)
+	assert.Contains(t, err.Error(), "not yet read or closed")
+	assert.Len(t, pendingKeys(t, store), 1, "the key stays pending")
+
+	abandoned.Body.Close()
+	resp, err := tr.RoundTrip(post(t, opCtx(), "http://x.test", "charge"))
+	require.NoError(t, err, "sent once the abandoned body is closed")
+	resp.Body.Close()
+}
+
+// marks counts the operations f keeps a mark of, in flight or handed on
+// to a redirect's follow-up.
+func (f *flights) marks() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.ops)
+}
+
+// A redirect of an operation that is not followed leaves its mark for the
+// request that would follow it; a caller that acts on the redirect itself
+// and releases the key with the KeyStore's Release drops the mark too, so
+// that such operations leave nothing behind.
+func TestReleasingAnUnfollowedRedirectsKeyDropsItsMark(t *testing.T) {
+	for _, newStore := range []func(t *testing.T) KeyStore{
+		func(*testing.T) KeyStore { return NewMemoryKeyStore() },
+		func(t *testing.T) KeyStore { return openTestStore(t, filepath.Join(t.TempDir(), "keys")) },
+	} {
+		store := newStore(t)
+		flights := store.(flightsHolder).operationFlights()
+		tr := NewTransport(roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			return okResponse(r, http.StatusSeeOther, "Location", "/receipt"), nil
+		}), WithKeyStore(store))
+		client := &http.Client{Transport: tr, CheckRedirect: func(*http.Request, []*http.Request) error {
+			return http.ErrUseLastResponse
+		}}
+		for i := range 3 {
+			op := fmt.Sprintf("op-%d", i)
+			resp, err := client.Do(post(t, WithOperation(context.Background(), op), "http://x.test/charge", "charge"))
+			require.NoError(t, err)
+			resp.Body.Close()
+			pending := pendingKeys(t, store)
+			require.Contains(t, pending, op)
+			require.NoError(t, store.Release(context.Background(), op, pending[op]))
+		}
+		assert.Zero(t, flights.marks(), "%T: no mark outlives its released key", store)
+	}
 }

@@ -201,10 +201,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 }
 
 // finish closes the request body and ends the operation's flight, unless
-// the body of the response returned holds it.
+// the body of the response returned holds it, or hands it on to the
+// request that follows the redirect returned.
 func (c *call) finish() {
 	c.body.close()
-	if c.flight != nil {
+	switch {
+	case c.flight == nil:
+	case c.handed:
+		c.flight.hand(c.operation)
+	default:
 		c.flight.end(c.operation)
 	}
 }
@@ -228,8 +233,16 @@ type call struct {
 	keyValue  string // the key header's value to add, or "" to add none
 	operation string // from WithOperation, or ""
 	// flight holds the marks in which this call has started operation's
-	// flight, or is nil (see flights).
+	// flight, or is nil (see flights); flightN is the flight's number.
 	flight  *flights
+	flightN uint64
+	// handed: the call returns a redirect that hands its flight on to the
+	// request that follows it (see linkRedirect).
+	handed bool
+	// shared: another call of the operation sent its key after a redirect
+	// this request follows was returned, and its caller may need the key
+	// still: this request's outcome must not release it (see flights).
+	shared  bool
 	pending bool // opKey is pending in the KeyStore under operation
 	resend  bool // the request may be sent again after it reached the server
 	// watchBody: the request may be sent again only if nothing reached the
@@ -260,7 +273,11 @@ type call struct {
 func (c *call) run() (*http.Response, error) {
 	if err := c.assignKey(); err != nil {
 		if errors.Is(err, ErrOperationInFlight) {
-			return nil, c.giveUp(0, ReasonOperationInFlight, err)
+			// The first attempt is refused before it is sent, as an open
+			// breaker refuses it, and is reported so: a program that
+			// drives one operation from two places learns of it in its
+			// logs and metrics, not only from the error.
+			return c.refused(1, outcome{}, ReasonOperationInFlight, err)
 		}
 		if l := c.t.cfg.logger; l != nil {
 			l.LogAttrs(c.ctx, slog.LevelWarn, "idemhttp: no idempotency key, nothing sent",
@@ -310,7 +327,7 @@ func (c *call) run() (*http.Response, error) {
 // is released at once.
 func (c *call) deliver(n int, o outcome) *http.Response {
 	resp := o.resp
-	release := c.pending && finalStatus(resp.StatusCode, resp.Header)
+	release := c.pending && !c.shared && finalStatus(resp.StatusCode, resp.Header)
 	if release && resp.StatusCode >= 400 && !c.fourXXSettles(n, resp.Header) {
 		release = false
 	}
@@ -415,7 +432,7 @@ func (c *call) assignKey() error {
 	c.key, blankKey = callerKey(c.req.Header, cfg.keyHeader)
 	linked := c.req.Response != nil && c.followLink()
 	if linked {
-		if err := c.startFlight(c.keyOwner().flights, c.operation); err != nil {
+		if err := c.followFlight(); err != nil {
 			return err
 		}
 	}
@@ -471,10 +488,27 @@ func (c *call) assignKey() error {
 // holds it: this call must not send the operation's key while another
 // may release it (see flights).
 func (c *call) startFlight(f *flights, operation string) error {
-	if err := f.start(operation); err != nil {
+	c.operation = operation // named in the report of a refusal too
+	n, err := f.start(operation)
+	if err != nil {
 		return err
 	}
-	c.flight, c.operation = f, operation
+	c.flight, c.flightN = f, n
+	return nil
+}
+
+// followFlight starts the flight of the operation whose redirect this
+// request follows (see followLink), in the marks of the Transport whose
+// KeyStore holds its key. If another call of the operation started since
+// the redirect was returned, this request's outcome releases nothing.
+func (c *call) followFlight() error {
+	f := c.keyOwner().flights
+	n, another, err := f.follow(c.operation, c.flightN)
+	if err != nil {
+		return err
+	}
+	c.flight, c.flightN = f, n
+	c.shared = c.shared || another
 	return nil
 }
 
@@ -510,6 +544,11 @@ type redirectLink struct {
 	// sentBefore: the key may have reached the server before the attempt
 	// the redirect answered (see keySentBefore).
 	sentBefore bool
+	// flight is the number of the flight the redirect hands on, and
+	// shared says that the call that returned it releases nothing (see
+	// flights).
+	flight uint64
+	shared bool
 }
 
 // redirectLinkKey is the context key of a redirectLink.
@@ -527,8 +566,9 @@ type redirectLinkKey struct{}
 // attempt resp answers; the request that follows inherits it.
 func (c *call) linkRedirect(resp *http.Response, sentBefore bool) {
 	r := resp.Request // set by attempt if the base transport did not
-	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey, sentBefore})
+	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey, sentBefore, c.flightN, c.shared})
 	resp.Request = r.WithContext(ctx)
+	c.handed = true
 }
 
 // followLink takes on the pending operation of the redirect this request
@@ -551,6 +591,7 @@ func (c *call) followLink() bool {
 		return false
 	}
 	c.operation, c.opKey, c.pending, c.carried = l.operation, l.key, true, l.sentBefore
+	c.flightN, c.shared = l.flight, l.shared
 	if l.owner != c.t {
 		c.owner = l.owner
 	}
