@@ -197,9 +197,15 @@ var brokenStores = map[string]struct {
 				if rec, ok := peek(ctx, s, k); !ok || rec.Completed() || rec.Token != token {
 					return idemserver.ErrLeaseLost
 				}
-				time.Sleep(time.Millisecond)
-				if rec, ok := peek(ctx, s, k); ok && !rec.Completed() {
-					token = rec.Token
+				// The worst interleaving, made certain rather than left to
+				// the scheduler: the write waits for a takeover to land
+				// after the check (for a while; a round whose takeovers
+				// all came first has none to wait for).
+				for end := time.Now().Add(200 * time.Millisecond); time.Now().Before(end); time.Sleep(100 * time.Microsecond) {
+					if rec, ok := peek(ctx, s, k); ok && !rec.Completed() && rec.Token != token {
+						token = rec.Token
+						break
+					}
 				}
 				return s.Complete(ctx, k, token, resp, exp)
 			}
