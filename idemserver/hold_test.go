@@ -21,7 +21,36 @@ type holdingStore struct{ *stubStore }
 
 func (holdingStore) HoldResponses() bool { return true }
 
+// claimHoldingStore returns a stubStore whose claims say to hold
+// responses (ClaimResult.Hold), as a transactional store's do, and which
+// does not implement ResponseHolder, as a wrapper of such a store that
+// forwards only the Store methods does not.
+func claimHoldingStore() *stubStore {
+	s := newStubStore()
+	s.claim = func(ctx context.Context, c Claim) (ClaimResult, error) {
+		res, err := s.MemoryStore.Claim(ctx, c)
+		res.Hold = res.Claimed
+		return res, err
+	}
+	return s
+}
+
+// holders are the two ways a store says to hold responses.
+var holders = []struct {
+	name string
+	new  func() (Store, *stubStore)
+}{
+	{"ResponseHolder", func() (Store, *stubStore) { s := newStubStore(); return holdingStore{s}, s }},
+	{"ClaimResult.Hold", func() (Store, *stubStore) { s := claimHoldingStore(); return s, s }},
+}
+
 func TestHoldingStoreLetsNothingThroughEarly(t *testing.T) {
+	for _, holder := range holders {
+		t.Run(holder.name, func(t *testing.T) { testHoldingStoreLetsNothingThroughEarly(t, holder.new) })
+	}
+}
+
+func testHoldingStoreLetsNothingThroughEarly(t *testing.T, newStore func() (Store, *stubStore)) {
 	for _, tt := range []struct {
 		name    string
 		handler func(w http.ResponseWriter)
@@ -40,13 +69,13 @@ func TestHoldingStoreLetsNothingThroughEarly(t *testing.T) {
 		}, strings.Repeat("x", 10) + strings.Repeat("y", 10), true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			store := holdingStore{newStubStore()}
+			store, stub := newStore()
 			w := httptestRecorder()
 			var stored *Response
-			store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+			stub.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
 				assert.False(t, w.wroteHeader.Load(), "the client got the response before Complete")
 				stored = resp
-				return store.MemoryStore.Complete(ctx, k, token, resp, exp)
+				return stub.MemoryStore.Complete(ctx, k, token, resp, exp)
 			}
 			runs := 0
 			mw := Middleware(store, WithMaxResponseBytes(15))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -66,6 +95,64 @@ func TestHoldingStoreLetsNothingThroughEarly(t *testing.T) {
 			assert.Equal(t, 1, runs)
 		})
 	}
+}
+
+func TestClaimHoldKeepsARolledBackResponseFromTheClient(t *testing.T) {
+	// A store that says to hold on its claims alone (a transactional store
+	// behind a wrapper that hides ResponseHolder) has a response that
+	// flushed, or outgrew the limit, answered 503 when Complete rolls it
+	// back: the client must not be told of work that was not kept.
+	for _, tt := range []struct {
+		name    string
+		handler func(w http.ResponseWriter)
+	}{
+		{"flush", func(w http.ResponseWriter) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte("paid"))
+			require.NoError(t, http.NewResponseController(w).Flush())
+		}},
+		{"larger than the limit", func(w http.ResponseWriter) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte(strings.Repeat("x", 20)))
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			store := claimHoldingStore()
+			w := httptestRecorder()
+			store.complete = func(ctx context.Context, k Key, token string, _ *Response, _ time.Time) error {
+				assert.False(t, w.wroteHeader.Load(), "the client got the response before Complete")
+				_ = store.MemoryStore.Release(ctx, k, token)
+				return fmt.Errorf("commit: %w", ErrRolledBack)
+			}
+			var events []Event
+			mw := Middleware(store, WithMaxResponseBytes(15), WithObserver(func(e Event) { events = append(events, e) }))(
+				http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { tt.handler(w) }))
+			mw.ServeHTTP(w, newRequest(http.MethodPost, "/x", "k", "b"))
+			decodeProblem(t, w.ResponseRecorder, ProblemStoreUnavailable, http.StatusServiceUnavailable)
+			require.Len(t, events, 1)
+			assert.Equal(t, OutcomeUnavailable, events[0].Outcome)
+			assert.ErrorIs(t, events[0].Err, ErrRolledBack)
+		})
+	}
+}
+
+func TestClaimHoldAllowsReruns(t *testing.T) {
+	// A response held by the claim's word may be dropped for another run,
+	// as one held by a ResponseHolder may.
+	store := claimHoldingStore()
+	completes := 0
+	store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
+		if completes++; completes == 1 {
+			_ = store.MemoryStore.Release(ctx, k, token)
+			return fmt.Errorf("%w: %w", ErrRolledBack, ErrRetryRequest)
+		}
+		return store.MemoryStore.Complete(ctx, k, token, resp, exp)
+	}
+	h := &countingHandler{}
+	w := serve(Middleware(store)(h), newRequest(http.MethodPost, "/x", "k", "b"))
+	assert.Equal(t, http.StatusCreated, w.Code)
+	assert.Equal(t, "2", w.Header().Get("X-Call"), "the second run's answer")
+	assert.Equal(t, int64(2), h.calls.Load(), "handler runs")
 }
 
 // watchedRecorder is a ResponseRecorder that tells whether anything was

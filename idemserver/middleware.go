@@ -110,11 +110,12 @@ import (
 // header fields and a problem of type [ProblemResponseNotStored]. A body
 // that filled the Content-Length the handler declared is whole, and
 // stored, however its delivery went. A
-// store that implements [ResponseHolder] turns streaming off: then nothing
-// reaches the client before Complete returns, however large the response.
-// An informational (1xx) response, such as 103 Early Hints, goes to the
-// client at once, as under net/http, except over such a store, which drops
-// it: it is a hint, and a replay never carries one either.
+// store that implements [ResponseHolder], or a claim whose
+// [ClaimResult.Hold] is set, turns streaming off: then nothing reaches the
+// client before Complete returns, however large the response. An
+// informational (1xx) response, such as 103 Early Hints, goes to the
+// client at once, as under net/http, except then, when it is dropped: it
+// is a hint, and a replay never carries one either.
 // Hijacking the connection of a keyed request is refused with an error
 // wrapping [http.ErrNotSupported]. The handler's ResponseWriter cannot be
 // unwrapped to reach the client's, which would let bytes past the record;
@@ -253,7 +254,7 @@ type handler struct {
 	next     http.Handler
 	store    Store
 	packed   PackedStore // store, if it is one
-	hold     bool        // hold every response until Complete returns; see ResponseHolder
+	hold     bool        // hold every response until Complete returns; see ResponseHolder and ClaimResult.Hold
 	cfg      *config
 	tokens   *tokenSource
 	newToken func() string // tokens.next, made once
@@ -514,10 +515,13 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 			Err: errors.Join(ErrLeaseLost, err), Evictions: claim.Evictions})
 		return false
 	}
+	// The claim itself may say to hold (see ClaimResult.Hold): a wrapper
+	// around the store may hide its ResponseHolder method.
+	hold := m.hold || claim.Hold
 	x := &claimedRequest{
 		body: bodyReader{b: bufs.reqBody},
 		rec: recorder{w: w, limit: cfg.maxResponse, allow: cfg.replayHeaders,
-			fields: bufs.fields, body: bufs.respBody, hold: m.hold, http1: r.ProtoMajor < 2},
+			fields: bufs.fields, body: bufs.respBody, hold: hold, http1: r.ProtoMajor < 2},
 		lease: leaseKeeper{m: m, key: key, token: token},
 	}
 	rec, lease := &x.rec, &x.lease
@@ -552,7 +556,7 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	// A response held back by a store that holds responses (and so
 	// discards the attempt's work with it) may be dropped for another run.
 	again := func(err error) bool {
-		if !mayRerun || !m.hold || rec.streaming || !errors.Is(err, ErrRetryRequest) {
+		if !mayRerun || !hold || rec.streaming || !errors.Is(err, ErrRetryRequest) {
 			return false
 		}
 		rec.resetHeader()

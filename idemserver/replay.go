@@ -79,7 +79,7 @@ type recorder struct {
 	releases    bool // the response ends the claim by releasing it; see ReleasesResponse
 	streaming   bool // status and headers have gone to the client
 	tooLarge    bool // the body is not stored: it passed the limit, or is cut; see finish
-	hold        bool // never let the response through early; see ResponseHolder
+	hold        bool // never let the response through early; see ResponseHolder and ClaimResult.Hold
 	http1       bool // the client speaks HTTP/1; see unsniffed
 }
 
@@ -259,7 +259,8 @@ func write[T []byte | string](c *recorder, p T) (int, error) {
 // FlushError lets the response through: what was recorded goes to the
 // client, and later writes follow at once. The response is still stored
 // when the handler returns, but the client may see it before then. For a
-// store that holds responses (see [ResponseHolder]) it does nothing.
+// store that holds responses (see [ResponseHolder] and [ClaimResult.Hold])
+// it does nothing.
 func (c *recorder) FlushError() error {
 	if !c.wroteHeader {
 		c.WriteHeader(http.StatusOK)

@@ -71,9 +71,12 @@ import (
 // carries it in [ClaimResult.Context]. The middleware then serves the
 // handler with that context, so the handler can do its own writes in the
 // transaction, and passes the same context (without its cancellation) to
-// Complete or Release, which commit or roll back. Such a store implements
-// [ResponseHolder], so that no response reaches the client before the
-// commit. A concurrent claim of a key whose claim is not committed yet must
+// Complete or Release, which commit or roll back. Such a store sets
+// [ClaimResult.Hold] on each claim it wins, so that no response reaches
+// the client before the commit, and may implement [ResponseHolder] too;
+// the flag is what holds the response behind a wrapper that forwards the
+// Store methods and their results but hides the store's optional
+// interfaces. A concurrent claim of a key whose claim is not committed yet must
 // not wait for it without bound: the store reports the key in progress (a
 // record whose fingerprint is the claimant's own and whose lease has not
 // ended, since the uncommitted one cannot be read). When the commit in
@@ -165,6 +168,15 @@ type ClaimResult struct {
 	// Claimed reports that the caller now holds the lease: the record was
 	// inserted (or taken over) with the claim's token.
 	Claimed bool
+	// Hold, when Claimed is true, says that the store keeps nothing of
+	// this claim's outcome until Complete returns, as a store that commits
+	// the claim, the handler's writes and the response in one transaction
+	// does: the middleware then lets no part of the response reach the
+	// client before Complete returns, as for a [ResponseHolder]. Such a
+	// store sets it on every claim it wins. It travels with the result, so
+	// a store that wraps another (for metrics, tracing, logging) keeps it
+	// by returning the wrapped store's ClaimResult whole, as it must.
+	Hold bool
 	// Record is the record found instead, when Claimed is false.
 	Record Record
 	// Context, when not nil and Claimed is true, replaces the request's
@@ -234,6 +246,11 @@ type Response struct {
 // without its body) instead of being streamed, and an informational (1xx)
 // response, such as 103 Early Hints, is dropped rather than sent ahead of
 // the final one. The middleware asks once, when it is created.
+//
+// A store that wraps another hides this interface unless it defines
+// HoldResponses too, so a store whose claims must be held says so on each
+// claim as well, with [ClaimResult.Hold], which a wrapper forwards with
+// the result: the middleware holds a response when either says so.
 type ResponseHolder interface {
 	HoldResponses() bool
 }

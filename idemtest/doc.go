@@ -43,7 +43,8 @@
 // releases its key (taking it not to have acted): a handler that acted and
 // left its status to the implicit 200 runs again on the retry, and the
 // ledger shows it as a duplicate. With a store that holds responses
-// (idemserver.ResponseHolder, such as a transactional store), a run whose
+// (idemserver.ResponseHolder, such as a transactional store, or one whose
+// claims say so in idemserver.ClaimResult.Hold), a run whose
 // work the store discarded is not counted: one the store rolled back
 // (idemserver.ErrRolledBack) or asked to run again
 // (idemserver.ErrRetryRequest), whether the middleware then ran the

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/idemhttp/idemhttp/idemserver"
 )
@@ -24,12 +25,13 @@ import (
 type ledger struct {
 	next   http.Handler
 	header string
-	// hold is set when the store holds responses (idemserver.ResponseHolder):
-	// such a store may discard everything a run did, when it rolls back
-	// (idemserver.ErrRolledBack) or asks for the request to run again
-	// (idemserver.ErrRetryRequest), and a discarded run does not count
-	// (see storeWatcher).
-	hold bool
+	// hold is set when the store holds responses (idemserver.ResponseHolder,
+	// or a claim won that says so in idemserver.ClaimResult.Hold, which a
+	// wrapper of the store cannot hide): such a store may discard
+	// everything a run did, when it rolls back (idemserver.ErrRolledBack)
+	// or asks for the request to run again (idemserver.ErrRetryRequest),
+	// and a discarded run does not count (see storeWatcher).
+	hold atomic.Bool
 
 	mu   sync.Mutex
 	runs map[string]int
@@ -60,8 +62,10 @@ type answer struct {
 }
 
 func newLedger(next http.Handler, header string, hold bool) *ledger {
-	return &ledger{next: next, header: header, hold: hold, runs: make(map[string]int), running: make(map[string]int),
+	l := &ledger{next: next, header: header, runs: make(map[string]int), running: make(map[string]int),
 		kept: make(map[string][]answer), seen: make(map[string]bool), unkeyed: make(map[string]int)}
+	l.hold.Store(hold)
+	return l
 }
 
 // requestRuns is the ledger's note, in the context of a request the fault
@@ -114,7 +118,7 @@ func (l *ledger) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		name = r.Method + " " + r.URL.Path + " without a key"
 	}
 	var note *requestRuns
-	if l.hold {
+	if l.hold.Load() {
 		note, _ = r.Context().Value(requestRunsKey{}).(*requestRuns)
 	}
 	l.mu.Lock()

@@ -368,6 +368,45 @@ type discardingStore struct {
 
 func (s *discardingStore) HoldResponses() bool { return true }
 
+// Claim and TakeOver say to hold each claim's response, as a store that
+// commits the handler's work with the outcome does.
+func (s *discardingStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	res, err := s.Store.Claim(ctx, c)
+	res.Hold = res.Claimed
+	return res, err
+}
+
+func (s *discardingStore) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	res, err := s.Store.TakeOver(ctx, c, expiredToken)
+	res.Hold = res.Claimed
+	return res, err
+}
+
+// tracedStore wraps a store as a tracing wrapper does: it passes on the
+// Store methods and their results, and hides every other method of the
+// store, idemserver.ResponseHolder among them.
+type tracedStore struct{ s idemserver.Store }
+
+func (t tracedStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
+	return t.s.Claim(ctx, c)
+}
+
+func (t tracedStore) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
+	return t.s.TakeOver(ctx, c, expiredToken)
+}
+
+func (t tracedStore) Complete(ctx context.Context, key idemserver.Key, token string, r *idemserver.Response, expires time.Time) error {
+	return t.s.Complete(ctx, key, token, r, expires)
+}
+
+func (t tracedStore) Release(ctx context.Context, key idemserver.Key, token string) error {
+	return t.s.Release(ctx, key, token)
+}
+
+func (t tracedStore) Extend(ctx context.Context, key idemserver.Key, token string, leaseExpires time.Time) error {
+	return t.s.Extend(ctx, key, token, leaseExpires)
+}
+
 func (s *discardingStore) Complete(ctx context.Context, key idemserver.Key, token string, r *idemserver.Response, expires time.Time) error {
 	if err := s.discard(ctx, key, token); err != nil {
 		return err
@@ -454,6 +493,23 @@ func TestLedgerDiscardedRunIsNoExecution(t *testing.T) {
 			assert.Empty(t, srv.WrongReplays())
 		})
 	}
+}
+
+// TestLedgerDiscardedRunBehindAWrapper checks that a store that holds
+// responses is known for one by its claims, which say so, when a wrapper
+// hides its idemserver.ResponseHolder method: the run it discarded, and
+// the middleware ran again, is not counted either.
+func TestLedgerDiscardedRunBehindAWrapper(t *testing.T) {
+	store := &discardingStore{Store: memoryStore(t, nil)}
+	store.discards.Store(1)
+	var calls atomic.Int32
+	srv, client := countingServer(t, tracedStore{store}, &calls)
+
+	assert.Equal(t, outcome{status: http.StatusCreated}, post(t.Context(), client, srv.URL, "k"))
+	assert.Equal(t, int32(2), calls.Load(), "the discarded run and the one that ran again")
+	assert.Equal(t, map[string]int{"k": 1}, srv.Executions())
+	rec := &recordingTB{TB: t}
+	assert.True(t, srv.AssertExactlyOnce(rec, 1), "%v", rec.errors)
 }
 
 // TestLedgerRolledBackRunIsNoExecution checks that a run whose work a store

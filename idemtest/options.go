@@ -19,7 +19,7 @@ type config struct {
 // given here is the caller's to close. The store reaches the middleware
 // through a wrapper that passes every call on, its idemserver.PackedStore
 // methods too, says whether it holds responses (idemserver.ResponseHolder)
-// as the store does, and tells the ledger which scoped key each request
+// as the store does, returns each claim's result whole, and tells the ledger which scoped key each request
 // claimed and, for a store that holds responses, of the runs whose work
 // the store discarded (see the package documentation).
 func WithStore(s idemserver.Store) Option {

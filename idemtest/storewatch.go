@@ -18,9 +18,10 @@ import (
 // scope: a store that replays one tenant's response to another is caught
 // although the handler did give that answer, to someone else.
 //
-// When the test's store holds responses (idemserver.ResponseHolder), each
-// Complete that reports the run's work discarded (idemserver.ErrRolledBack,
-// or idemserver.ErrRetryRequest) takes the run back from the ledger. Such a
+// When the test's store holds responses (idemserver.ResponseHolder, or its
+// claims say so in idemserver.ClaimResult.Hold), each Complete that
+// reports the run's work discarded (idemserver.ErrRolledBack, or
+// idemserver.ErrRetryRequest) takes the run back from the ledger. Such a
 // store keeps the handler's work and its outcome together or not at all, so
 // a run it discarded did not execute, whether the middleware then runs the
 // request again or answers 503.
@@ -42,16 +43,29 @@ func watchStore(store idemserver.Store, l *ledger) idemserver.Store {
 
 // HoldResponses implements idemserver.ResponseHolder: it reports whether
 // the store it wraps holds responses.
-func (w storeWatcher) HoldResponses() bool { return w.ledger.hold }
+func (w storeWatcher) HoldResponses() bool { return w.ledger.hold.Load() }
 
 func (w storeWatcher) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {
 	w.ledger.claiming(ctx, c.Key)
-	return w.Store.Claim(ctx, c)
+	res, err := w.Store.Claim(ctx, c)
+	w.claimed(res)
+	return res, err
 }
 
 func (w storeWatcher) TakeOver(ctx context.Context, c idemserver.Claim, expiredToken string) (idemserver.ClaimResult, error) {
 	w.ledger.claiming(ctx, c.Key)
-	return w.Store.TakeOver(ctx, c, expiredToken)
+	res, err := w.Store.TakeOver(ctx, c, expiredToken)
+	w.claimed(res)
+	return res, err
+}
+
+// claimed tells the ledger of a claim that says to hold its response,
+// before the handler runs: a store wrapped so that it hides
+// idemserver.ResponseHolder still says so on its claims.
+func (w storeWatcher) claimed(res idemserver.ClaimResult) {
+	if res.Claimed && res.Hold {
+		w.ledger.hold.Store(true)
+	}
 }
 
 func (w storeWatcher) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
@@ -63,7 +77,7 @@ func (w storeWatcher) Complete(ctx context.Context, key idemserver.Key, token st
 // completed tells the ledger of a Complete that failed with err, under ctx,
 // if the store discarded the run's work.
 func (w storeWatcher) completed(ctx context.Context, err error) {
-	if w.ledger.hold && (errors.Is(err, idemserver.ErrRolledBack) || errors.Is(err, idemserver.ErrRetryRequest)) {
+	if w.ledger.hold.Load() && (errors.Is(err, idemserver.ErrRolledBack) || errors.Is(err, idemserver.ErrRetryRequest)) {
 		w.ledger.discarded(ctx)
 	}
 }
@@ -76,7 +90,9 @@ type packedStoreWatcher struct {
 
 func (w packedStoreWatcher) ClaimPacked(ctx context.Context, c idemserver.PackedClaim) (idemserver.PackedClaimResult, error) {
 	w.ledger.claiming(ctx, c.Key)
-	return w.packed.ClaimPacked(ctx, c)
+	res, err := w.packed.ClaimPacked(ctx, c)
+	w.claimed(res.ClaimResult)
+	return res, err
 }
 
 func (w packedStoreWatcher) CompletePacked(ctx context.Context, c idemserver.PackedCompletion) error {

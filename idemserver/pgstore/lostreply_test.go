@@ -154,8 +154,9 @@ func TestClaimWhoseReplyWasLost(t *testing.T) {
 }
 
 // namedStore holds a Store in a named field, as a wrapper that adds
-// something of its own to each method does, so that the middleware sees no
-// PackedStore and calls Claim, TakeOver and Complete.
+// something of its own to each method (metrics, tracing) does, so that the
+// middleware sees none of the store's optional interfaces: no PackedStore,
+// so it calls Claim, TakeOver and Complete, and no ResponseHolder.
 type namedStore struct{ s *Store }
 
 func (n namedStore) Claim(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, error) {

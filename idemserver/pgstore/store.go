@@ -71,8 +71,11 @@
 //     may run, so Extend reports the claim lost and the middleware ends
 //     the handler's context, at the handler's next extension. A check
 //     that cannot be made (no free connection) reports nothing.
-//   - The store implements [idemserver.ResponseHolder]: no part of a
-//     response reaches the client before the commit.
+//   - No part of a response reaches the client before the commit: the
+//     store implements [idemserver.ResponseHolder], and sets
+//     [idemserver.ClaimResult.Hold] on every claim it wins, so that a
+//     store wrapping this one (for metrics or tracing) keeps responses
+//     held as long as it returns the ClaimResult whole.
 //   - A serialization failure or deadlock (SQLSTATE 40001, 40P01) in
 //     Complete's write or the COMMIT makes the store ask the middleware to
 //     run the request again, in a new transaction, up to

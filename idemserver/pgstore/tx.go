@@ -59,7 +59,10 @@ func Rerun(ctx context.Context, err error) bool {
 }
 
 // HoldResponses implements [idemserver.ResponseHolder]: in transactional
-// mode no part of a response may reach the client before the commit.
+// mode no part of a response may reach the client before the commit. Each
+// claim won in that mode says so too, in [idemserver.ClaimResult.Hold],
+// which holds the response behind a wrapper of the store that does not
+// define HoldResponses.
 func (s *Store) HoldResponses() bool { return s.transactional }
 
 type txKey struct{}
@@ -174,7 +177,9 @@ func stateOf(ctx context.Context, key idemserver.Key, token string) *txState {
 func (s *Store) claimTx(ctx context.Context, c idemserver.Claim) (idemserver.ClaimResult, sql.NullString, error) {
 	scope, lease := []byte(c.Key.Scope), c.LeaseExpires.Sub(c.Now)
 	claimed := func(st *txState) (idemserver.ClaimResult, sql.NullString, error) {
-		return idemserver.ClaimResult{Claimed: true, Context: context.WithValue(ctx, txKey{}, st)}, sql.NullString{}, nil
+		// Hold: nothing may reach the client before the commit, also
+		// when a wrapper hides HoldResponses.
+		return idemserver.ClaimResult{Claimed: true, Hold: true, Context: context.WithValue(ctx, txKey{}, st)}, sql.NullString{}, nil
 	}
 	for run := 0; run < maxClaimRuns; run++ {
 		if run > 0 && s.testHookRerun != nil {

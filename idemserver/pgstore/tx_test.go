@@ -569,3 +569,55 @@ func TestTransactionalSendsNoInformationalResponseBeforeTheCommit(t *testing.T) 
 	assert.Equal(t, 1, countPayments(t, db.DB, "k"))
 	srv.CloseClientConnections()
 }
+
+func TestTransactionalHoldsResponsesBehindAWrapper(t *testing.T) {
+	// A store wrapped by one that forwards only the Store methods still
+	// has every response held until its commit: a response that reached
+	// the client before a COMMIT that then failed would tell the client
+	// of a payment that was rolled back.
+	for _, tt := range []struct {
+		name  string
+		write func(w http.ResponseWriter) // after the payment was recorded
+		state string                      // with which the first COMMIT fails
+		// status is the client's; payments, how many were kept.
+		status   int
+		payments int
+	}{
+		{"flush, then the commit is refused", func(w http.ResponseWriter) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte("paid"))
+			require.NoError(t, http.NewResponseController(w).Flush())
+		}, "23505", http.StatusServiceUnavailable, 0},
+		{"larger than the limit, then the commit is refused", func(w http.ResponseWriter) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte(strings.Repeat("x", 64)))
+		}, "23505", http.StatusServiceUnavailable, 0},
+		{"serialization failure at the commit is rerun", func(w http.ResponseWriter) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte("paid"))
+		}, "40001", http.StatusCreated, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			db := newTestDB(t, 4)
+			_, err := db.ExecContext(t.Context(), createPayments)
+			require.NoError(t, err)
+			// Wrapped as metrics and tracing wrappers do: the store's
+			// ResponseHolder method is hidden behind it.
+			s := namedStore{db.newStore(t, WithTransactional())}
+			failFirst(t, db, "AFTER INSERT ON payments DEFERRABLE INITIALLY DEFERRED", tt.state, 1)
+			h := idemserver.Middleware(s, idemserver.WithMaxResponseBytes(16))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, err := Tx(r.Context()).ExecContext(r.Context(), "INSERT INTO payments (key) VALUES ('k')")
+				if err != nil {
+					Rerun(r.Context(), err)
+					http.Error(w, err.Error(), http.StatusInternalServerError)
+					return
+				}
+				tt.write(w)
+			}))
+			status, body, _ := post(h, "k")
+			assert.Equal(t, tt.status, status, "the client's status; body %q", body)
+			assert.Equal(t, tt.payments, countPayments(t, db.DB, "k"))
+			assert.Zero(t, db.Stats().InUse, "no transaction left open")
+		})
+	}
+}

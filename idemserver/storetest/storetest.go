@@ -93,7 +93,10 @@ const (
 // Extend, takeovers, ErrLeaseLost for stale lease tokens, concurrent
 // claims and takeovers (exactly one winner), a completion racing takeovers
 // (the one or a takeover wins), responses kept byte for byte, scopes kept
-// apart, and cancelled contexts.
+// apart, and cancelled contexts. A store that holds responses (an
+// [idemserver.ResponseHolder] whose HoldResponses reports true) must say
+// so on every claim it wins too, in [idemserver.ClaimResult.Hold], which
+// a wrapper of the store cannot hide.
 //
 // A store that implements [idemserver.PackedStore] is checked twice: once
 // through Claim, TakeOver and Complete, and once, in the subtests under
@@ -129,8 +132,9 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 // neither expires nor is taken over, Extend succeeds while it is open, and
 // a concurrent claim of it is reported in progress with the claimant's own
 // fingerprint and a lease that has not ended (the uncommitted record cannot
-// be read). Each claim the suite wins is ended before its subtest does.
-// A PackedStore is checked through both sets of methods, as [Run] does.
+// be read). Every claim won must say that its response is to be held
+// until the commit ([idemserver.ClaimResult.Hold]). Each claim the suite
+// wins is ended before its subtest does. A PackedStore is checked through both sets of methods, as [Run] does.
 func RunTransactional(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 	t.Helper()
 	run(t, newStore, true, []subtest{
@@ -177,6 +181,9 @@ type harness struct {
 	s      idemserver.Store
 	tokens *atomic.Int64
 	tx     bool // the store holds claims in transactions; see RunTransactional
+	// hold is set when every claim the store wins must say to hold its
+	// response: it holds claims in transactions, or holds responses.
+	hold bool
 	// packed, when not nil, is s, whose PackedStore methods the harness
 	// calls in place of Claim, TakeOver and Complete.
 	packed idemserver.PackedStore
@@ -187,7 +194,9 @@ type harness struct {
 // newHarness returns a harness on s; with packed, s is a PackedStore and
 // the harness calls its packed methods.
 func newHarness(t *testing.T, s idemserver.Store, tx, packed bool) *harness {
-	h := &harness{t: t, s: s, tokens: new(atomic.Int64), tx: tx, refs: new(sync.Map)}
+	holder, ok := s.(idemserver.ResponseHolder)
+	hold := tx || ok && holder.HoldResponses()
+	h := &harness{t: t, s: s, tokens: new(atomic.Int64), tx: tx, hold: hold, refs: new(sync.Map)}
 	if packed {
 		h.packed = s.(idemserver.PackedStore)
 	}
@@ -204,6 +213,17 @@ func (h *harness) sub(t *testing.T) *harness {
 // claimOf is s.Claim, or s.TakeOver of expiredToken's lease when takeOver
 // is set, or ClaimPacked in their place.
 func (h *harness) claimOf(ctx context.Context, c idemserver.Claim, takeOver bool, expiredToken string) (idemserver.ClaimResult, error) {
+	res, err := h.claimEither(ctx, c, takeOver, expiredToken)
+	if err == nil && res.Claimed && h.hold {
+		// Behind a wrapper that forwards the Store methods alone, only the
+		// claim can say so; see idemserver.ClaimResult.Hold.
+		assert.True(h.t, res.Hold, "a claim won of a store that holds responses says so in ClaimResult.Hold")
+	}
+	return res, err
+}
+
+// claimEither is claimOf without the check of the result's Hold.
+func (h *harness) claimEither(ctx context.Context, c idemserver.Claim, takeOver bool, expiredToken string) (idemserver.ClaimResult, error) {
 	if h.packed == nil {
 		if takeOver {
 			return h.s.TakeOver(ctx, c, expiredToken)

@@ -92,6 +92,11 @@ func (b *brokenPacked) CompletePacked(ctx context.Context, c idemserver.PackedCo
 	return b.MemoryStore.CompletePacked(ctx, c)
 }
 
+// holdingBroken is a broken store that says it holds responses.
+type holdingBroken struct{ *broken }
+
+func (holdingBroken) HoldResponses() bool { return true }
+
 // peek returns the record of k without changing it, if there is one.
 func peek(ctx context.Context, s *idemserver.MemoryStore, k idemserver.Key) (idemserver.Record, bool) {
 	now := time.Now()
@@ -113,7 +118,9 @@ var brokenStores = map[string]struct {
 	store func(b *broken)
 	// packed, when set, makes the store a PackedStore and breaks that.
 	packed func(b *brokenPacked)
-	fails  []string
+	// holds makes the store a ResponseHolder that holds responses.
+	holds bool
+	fails []string
 }{
 	"claims in-progress keys": {
 		store: func(b *broken) {
@@ -420,6 +427,13 @@ var brokenStores = map[string]struct {
 		},
 		fails: []string{"Run/Packed/ClaimOutcomes"},
 	},
+	"holds responses but its claims do not say so": {
+		// As a store would that a wrapper forwarding only the Store
+		// methods turns into one whose responses are not held.
+		holds: true,
+		store: func(*broken) {},
+		fails: []string{"Run/ClaimOutcomes", "Run/Lifecycle"},
+	},
 	"takes over any lease": {
 		store: func(b *broken) {
 			b.takeOver = func(s *idemserver.MemoryStore, ctx context.Context, c idemserver.Claim, _ string) (idemserver.ClaimResult, error) {
@@ -446,12 +460,16 @@ func TestBrokenStore(t *testing.T) {
 	newStore := func(t *testing.T) idemserver.Store {
 		b := &broken{MemoryStore: idemserver.NewMemoryStore()}
 		t.Cleanup(func() { _ = b.MemoryStore.Close() })
-		if tt := brokenStores[name]; tt.packed != nil {
+		tt := brokenStores[name]
+		if tt.packed != nil {
 			p := &brokenPacked{broken: b}
 			tt.packed(p)
 			return p
 		}
-		brokenStores[name].store(b)
+		tt.store(b)
+		if tt.holds {
+			return holdingBroken{b}
+		}
 		return b
 	}
 	t.Run("Run", func(t *testing.T) { storetest.Run(t, newStore) })
