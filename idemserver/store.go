@@ -114,7 +114,11 @@ type Store interface {
 
 	// Complete stores resp as the outcome of the in-progress record of key,
 	// to be kept until expires, provided the record still holds token.
-	// Otherwise it returns an error wrapping [ErrLeaseLost].
+	// Otherwise it returns an error wrapping [ErrLeaseLost], except that a
+	// Complete sent again with the token and response of the one that
+	// completed the record returns nil, as that one did: the middleware
+	// sends it again when the first one's answer did not come in time
+	// (see [WithStoreTimeout]).
 	Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error
 
 	// Release deletes the in-progress record of key, provided it still
