@@ -97,6 +97,14 @@ import (
 // fixed, [ErrStoreMisconfigured]): the middleware answers 503 with
 // Retry-After and does not run the handler. The evictions a ClaimResult
 // lists stay the store's; the middleware does not modify them.
+//
+// The context of a call ends when the call must have been answered (see
+// [WithStoreTimeout]); it is the call's, and the store must not keep it,
+// or a context it derived from it, to read after the call returns (but
+// for [ClaimResult.Context]): the middleware uses it again for later
+// calls, which may be another request's, so that a value read from it
+// then may be another request's. A goroutine that watches the call's
+// Done may end after the call, as a standard context allows.
 type Store interface {
 	// Claim inserts an in-progress record for c.Key holding c's lease token
 	// and fingerprint, unless a record that has not expired exists, and
