@@ -135,6 +135,18 @@ func (sh *memShard) leased(s *MemoryStore, h uint64, key Key, token string) (int
 	return i, nil
 }
 
+// completedWith reports whether key's record, whose key hashes to h, is
+// completed with the response packed in data, after key (see
+// writePackedKey), whatever the order of its fields.
+func (sh *memShard) completedWith(h uint64, key Key, data string) bool {
+	i := sh.find(h, key)
+	if i == none || !sh.slots[i].completed {
+		return false
+	}
+	_, _, n := unpackKey(data)
+	return samePacked(sh.slots[i].response(), data[n:])
+}
+
 // insert adds an in-progress record for the claim c, made at now, whose
 // key hashes to h, and returns its slot.
 func (sh *memShard) insert(h uint64, c Claim, now int64) int32 {

@@ -353,6 +353,12 @@ func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) er
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	i, err := sh.leased(s, h, c.Key, c.Token)
+	if err == ErrLeaseLost && sh.completedWith(h, c.Key, data) {
+		// Sent again after it succeeded: the record holds this very
+		// response. (The token went with the lease; the response is
+		// the outcome either way.)
+		return nil
+	}
 	if err != nil {
 		return err
 	}

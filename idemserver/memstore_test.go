@@ -49,7 +49,8 @@ func TestMemoryStoreLifecycle(t *testing.T) {
 			require.NoError(t, err)
 			assert.False(t, res.Claimed)
 			assert.Equal(t, resp, res.Record.Response)
-			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, resp, now), ErrLeaseLost, "completing twice")
+			assert.NoError(t, s.Complete(ctx, c.Key, c.Token, resp, now.Add(time.Hour)), "the same completion sent again")
+			assert.ErrorIs(t, s.Complete(ctx, c.Key, c.Token, &Response{Status: 201, Body: []byte("y")}, now), ErrLeaseLost, "completing twice")
 			assert.ErrorIs(t, s.Release(ctx, c.Key, c.Token), ErrLeaseLost, "releasing a completed key")
 		}},
 		{"expired record counts as absent", func(t *testing.T, s *MemoryStore) {

@@ -188,7 +188,9 @@ func WithMaxHold(d time.Duration) Option {
 // mean [DefaultStoreTimeout], 5s: far above a healthy store's answer, even
 // a database committing under load, and well within a client's patience
 // and the default lease, so that a Complete can be tried again before the
-// lease ends.
+// lease ends. A commit that waits for a synchronous standby can take
+// longer while the standby lags: the request then gets 503, and its key
+// stays in progress until the commit is reported (see pgstore).
 func WithStoreTimeout(d time.Duration) Option {
 	return func(c *config) {
 		if d <= 0 {

@@ -337,6 +337,18 @@ func sameFields(h http.Header, b []byte) bool {
 	return n == len(h)
 }
 
+// samePacked reports whether the packed responses a and b are the same
+// response, whatever the order in which their fields were packed (a
+// header map's, which differs from one walk to the next).
+func samePacked(a, b string) bool {
+	if a == b {
+		return true
+	}
+	pa, pb := unpack(a), unpack(b)
+	return pa.status == pb.status && pa.omitted == pb.omitted && pa.body == pb.body &&
+		len(pa.fields) == len(pb.fields) && sameFields(pa.header(), []byte(pb.fields))
+}
+
 // fieldsInto sets the packed fields in h, each replacing any values h had
 // for its name, and then sets the extra fields, given as name and value
 // pairs. The values are substrings of fields, and all of them share one

@@ -100,6 +100,14 @@ import (
 // fixed, [ErrStoreMisconfigured]): the middleware answers 503 with
 // Retry-After and does not run the handler. The evictions a ClaimResult
 // lists stay the store's; the middleware does not modify them.
+//
+// The context of a call ends when the call must have been answered (see
+// [WithStoreTimeout]); it is the call's, and the store must not keep it,
+// or a context it derived from it, to read after the call returns (but
+// for [ClaimResult.Context]): the middleware uses it again for later
+// calls, which may be another request's, so that a value read from it
+// then may be another request's. A goroutine that watches the call's
+// Done may end after the call, as a standard context allows.
 type Store interface {
 	// Claim inserts an in-progress record for c.Key holding c's lease token
 	// and fingerprint, unless a record that has not expired exists, and
@@ -117,7 +125,11 @@ type Store interface {
 
 	// Complete stores resp as the outcome of the in-progress record of key,
 	// to be kept until expires, provided the record still holds token.
-	// Otherwise it returns an error wrapping [ErrLeaseLost].
+	// Otherwise it returns an error wrapping [ErrLeaseLost], except that a
+	// Complete sent again with the token and response of the one that
+	// completed the record returns nil, as that one did: the middleware
+	// sends it again when the first one's answer did not come in time
+	// (see [WithStoreTimeout]).
 	Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error
 
 	// Release deletes the in-progress record of key, provided it still

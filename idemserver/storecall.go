@@ -18,7 +18,10 @@ import (
 // at the deadline, only when Done is first called; until then Err compares
 // the clock with the deadline. A callContext whose Done was asked for, or
 // that a store handed back, may still be watched after the call, and is
-// not reused (see buffers.storeCall).
+// not reused (see buffers.storeCall). One whose Done was not asked for is
+// reused, for the request's next call or another request's: a store's
+// goroutine that outlived its call may still call its methods then, so
+// they and start share its lock.
 type callContext struct {
 	parent   context.Context
 	deadline time.Time
@@ -30,9 +33,14 @@ type callContext struct {
 	stopped bool          // the call has ended: the context is its parent
 }
 
-// start readies c for a call under parent that must end by deadline.
+// start readies c for a call under parent that must end by deadline. A
+// store's goroutine that outlived an earlier call may still call c's
+// methods, so c is changed under its lock, never copied over.
 func (c *callContext) start(parent context.Context, deadline time.Time) {
-	*c = callContext{parent: parent, deadline: deadline}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.parent, c.deadline = parent, deadline
+	c.done, c.err, c.timer, c.stopped = nil, nil, nil, false
 }
 
 // stop ends the call's deadline: c is its parent from now on. It reports
@@ -49,11 +57,12 @@ func (c *callContext) stop() (reusable bool) {
 }
 
 func (c *callContext) Deadline() (time.Time, bool) {
-	d, ok := c.parent.Deadline()
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.stopped && (!ok || c.deadline.Before(d)) {
-		return c.deadline, true
+	parent, deadline, stopped := c.parent, c.deadline, c.stopped
+	c.mu.Unlock()
+	d, ok := parent.Deadline()
+	if !stopped && (!ok || deadline.Before(d)) {
+		return deadline, true
 	}
 	return d, ok
 }
@@ -73,10 +82,10 @@ func (c *callContext) Done() <-chan struct{} {
 		return c.done
 	}
 	c.timer = time.AfterFunc(time.Until(c.deadline), func() { c.end(context.DeadlineExceeded) })
-	if c.parent.Done() != nil {
+	if parent := c.parent; parent.Done() != nil {
 		// Registered until the parent ends, which a request's context
 		// does when the request ends.
-		context.AfterFunc(c.parent, func() { c.end(c.parent.Err()) })
+		context.AfterFunc(parent, func() { c.end(parent.Err()) })
 	}
 	return c.done
 }
@@ -94,7 +103,12 @@ func (c *callContext) Err() error {
 	return c.err
 }
 
-func (c *callContext) Value(key any) any { return c.parent.Value(key) }
+func (c *callContext) Value(key any) any {
+	c.mu.Lock()
+	parent := c.parent
+	c.mu.Unlock()
+	return parent.Value(key)
+}
 
 func (c *callContext) end(err error) {
 	c.mu.Lock()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -97,27 +98,33 @@ func TestStoreTimeoutBoundsCalls(t *testing.T) {
 }
 
 // TestStoreTimeoutCompleteLanded has a Complete stored whose answer never
-// comes back: whatever the client is told, its retry gets the same
-// response, and the handler runs once.
+// comes back: the Complete sent again must be answered as the first was,
+// so that the client gets the response its retry replays, and the handler
+// runs once. The MemoryStore once refused the completion sent again, and
+// the client was told that its request had lost its key.
 func TestStoreTimeoutCompleteLanded(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		store := newStubStore()
 		defer store.MemoryStore.Close()
+		var completes atomic.Int32
 		store.complete = func(ctx context.Context, k Key, token string, resp *Response, exp time.Time) error {
-			if err := store.MemoryStore.Complete(ctx, k, token, resp, exp); err != nil {
+			if err := store.MemoryStore.Complete(ctx, k, token, resp, exp); err != nil || completes.Add(1) > 1 {
 				return err
 			}
 			return silent(ctx) // stored; the answer is lost
 		}
+		var log eventLog
 		h := &countingHandler{}
-		mw := Middleware(store, WithStoreTimeout(time.Second))(h)
+		mw := Middleware(store, WithStoreTimeout(time.Second), WithObserver(log.observe))(h)
 		first := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
-		if first.Code != http.StatusCreated {
-			// Told to retry, which is no outcome.
-			decodeProblem(t, first, ProblemLeaseLost, http.StatusServiceUnavailable)
-		} else {
-			assert.Equal(t, "call 1", first.Body.String())
-		}
+		assert.Equal(t, http.StatusCreated, first.Code)
+		assert.Equal(t, "call 1", first.Body.String())
+		assert.EqualValues(t, 2, completes.Load(), "the Complete was sent again")
+		events := log.all()
+		require.Len(t, events, 1)
+		assert.Equal(t, OutcomeExecuted, events[0].Outcome)
+		assert.NoError(t, events[0].Err)
+
 		store.complete = nil
 		retry := serve(mw, newRequest(http.MethodPost, "/x", "k", "b"))
 		assert.Equal(t, http.StatusCreated, retry.Code)

@@ -217,7 +217,7 @@ func (s storeSpec) payments(ctx context.Context) ([]entry, error) {
 
 // redis connects to the Redis server and checks that it answers.
 func (s storeSpec) redis(ctx context.Context) (*redis.Client, error) {
-	client := redis.NewClient(&redis.Options{Addr: s.redisAddr, DialTimeout: 5 * time.Second})
+	client := redis.NewClient(&redis.Options{Addr: s.redisAddr, DialTimeout: 5 * time.Second, ContextTimeoutEnabled: true})
 	if err := client.Ping(ctx).Err(); err != nil {
 		client.Close()
 		return nil, fmt.Errorf("no answer from Redis at %s: %w", s.redisAddr, err)

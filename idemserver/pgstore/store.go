@@ -84,9 +84,15 @@
 //   - A COMMIT whose outcome is unknown (the connection died during it,
 //     it was not answered before the context of the Complete ended, as
 //     bounded by [idemserver.WithStoreTimeout], or an error other than the
-//     server's refusal answered it, such as a pooler's) is reported with [idemserver.ErrOutcomeUnknown] and never
-//     followed by a release: the client gets 503 with Retry-After, and its
-//     retry finds in the table what committed.
+//     server's refusal answered it, such as a pooler's) is reported with
+//     [idemserver.ErrOutcomeUnknown] and never followed by a release: the
+//     client gets 503 with Retry-After, and its retry finds in the table
+//     what committed. A COMMIT not answered in time is left to finish,
+//     not cancelled: one that waits for a synchronous standby goes on
+//     waiting, and the key stays in progress (409 to a retry) until the
+//     standby confirms it, since a cancelled wait would report the commit
+//     made without the standby. Set the store timeout above the longest
+//     wait for the standby that should not fail a request.
 //
 // A new key costs five round trips (read, BEGIN, claim, complete, COMMIT)
 // besides the handler's own, a replay one, and a duplicate in flight four

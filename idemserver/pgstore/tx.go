@@ -76,10 +76,11 @@ type txState struct {
 	conn *sql.Conn
 	tx   *sql.Tx
 	// cancel ends the transaction's context, which the driver's COMMIT
-	// and ROLLBACK run under (database/sql's take none): commit and
-	// rollback end it with the context of the store call that ends the
-	// claim, so that a connection gone silent fails that call at its
-	// deadline instead of holding it until the kernel gives up.
+	// and ROLLBACK run under (database/sql's take none): rollback ends it
+	// with the context of the store call that ends the claim, so that a
+	// connection gone silent fails that call at its deadline instead of
+	// holding it until the kernel gives up. (A COMMIT is not cancelled;
+	// see commit.)
 	cancel context.CancelFunc
 	key    idemserver.Key
 	token  string
@@ -114,11 +115,27 @@ func (s *Store) begin(ctx context.Context, c idemserver.Claim) (*txState, error)
 }
 
 // commit commits the claim's transaction and returns its connection to
-// the pool. A COMMIT still out when ctx ends is abandoned: the driver
-// closes the connection, and the error says nothing of whether the server
-// committed.
+// the pool. When ctx ends before the server answers the COMMIT, commit
+// returns, with an error that says nothing of whether the server
+// committed, and leaves the COMMIT to finish: it is not cancelled. A
+// server that waits for a synchronous standby to confirm a commit before
+// it reports it, and is cancelled meanwhile, reports the commit made
+// without the standby (a WARNING, not an error), and a driver cancels
+// that way when its context ends, even as it drops the connection: the
+// retry would then replay a transaction that a failover to the standby
+// loses. Left to finish, the COMMIT holds the claim's locks until the
+// standby confirms it, so that a retry finds the key in progress until
+// then. Its connection returns to the pool when the server answers, or
+// when the operating system gives up on it.
 func (st *txState) commit(ctx context.Context) error {
-	return st.end(ctx, st.tx.Commit)
+	done := make(chan error, 1)
+	go func() { done <- st.end(context.Background(), st.tx.Commit) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
 }
 
 // rollback rolls the claim's transaction back and returns its connection

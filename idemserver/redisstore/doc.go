@@ -2,8 +2,29 @@
 // records in Redis, through github.com/redis/go-redis/v9, so that several
 // instances of a service share them.
 //
-//	client := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+//	client := redis.NewClient(&redis.Options{
+//		Addr:                  "localhost:6379",
+//		ContextTimeoutEnabled: true, // see Timeouts
+//	})
 //	dedup := idemserver.Middleware(redisstore.New(client))
+//
+// # Timeouts
+//
+// The middleware bounds each store call with a deadline on its context
+// ([idemserver.WithStoreTimeout], 5s by default), so that a Redis that
+// stops answering without closing the connection (a failover, a dead NAT
+// entry, a paused server) fails the call instead of holding the request.
+// go-redis honours that deadline only when the client's
+// ContextTimeoutEnabled option is set: without it, a command waits for
+// ReadTimeout (3s by default, and the client may send it again, see
+// MaxRetries) whatever the context says, and forever with ReadTimeout -1.
+// Set
+// ContextTimeoutEnabled on the client given to [New] (on a Cluster or
+// failover client's options too); the client's own timeouts then still
+// apply, the earlier of the two ending the call. A call that ends so is a
+// store failure to the middleware: a claim is answered 503 without running
+// the handler, and a Complete is sent again, which the store answers as
+// the first if that one landed after all.
 //
 // # The model
 //

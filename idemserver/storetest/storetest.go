@@ -114,6 +114,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"Expiry", testExpiry},
 		{"LeaseExpiry", testLeaseExpiry},
 		{"CompleteAfterLeaseEnded", testCompleteAfterLeaseEnded},
+		{"CompleteSentAgain", testCompleteSentAgain},
 		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
 		{"CompleteRacesTakeOvers", testCompleteRacesTakeOvers},
 		{"Extend", testExtend},
@@ -736,6 +737,41 @@ func testCompleteAfterLeaseEnded(t *testing.T, h *harness) {
 	l := h.mustClaim(key, f, short)
 	h.waitLeaseExpired(key, l)
 	require.NoError(t, h.complete(l, created, live), "Complete of an ended lease that no one took over")
+	h.expectReplay(key, f, created)
+}
+
+// testCompleteSentAgain sends a Complete again, as the middleware does
+// when the first one's answer did not come back within its timeout (see
+// idemserver.WithStoreTimeout): with the same token, response and expiry,
+// and through CompletePacked with the same packed response. The store must
+// answer it as it answered the first, or the client would be told its
+// request lost the key while every retry replays the response it was
+// denied. A different response is still refused.
+func testCompleteSentAgain(t *testing.T, h *harness) {
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	l := h.mustClaim(key, f, live)
+	ctx, now, expires := context.WithoutCancel(l.ctx), time.Now(), time.Now().Add(live)
+	packed := idemserver.PackResponse(created)
+	complete := func(resp *idemserver.Response) error {
+		if h.packed == nil || resp != created {
+			return h.completeOf(ctx, l, resp, expires)
+		}
+		return h.packed.CompletePacked(ctx, idemserver.PackedCompletion{
+			Key: l.c.Key, Token: l.c.Token, Ref: l.ref, Response: packed, Now: now, Expires: expires,
+		})
+	}
+	require.NoError(t, complete(created))
+	for range 3 {
+		require.NoError(t, complete(created), "the same completion sent again")
+		if h.packed == nil {
+			// A copy, whose header map may be walked in another order.
+			require.NoError(t, complete(cloneResponse(created)), "the same completion sent again")
+		}
+	}
+	other := cloneResponse(created)
+	other.Body = []byte(`{"id":2}`)
+	assert.ErrorIs(t, complete(other), idemserver.ErrLeaseLost, "another response under the same token")
 	h.expectReplay(key, f, created)
 }
 
