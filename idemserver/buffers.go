@@ -25,11 +25,11 @@ type buffers struct {
 
 // storeCall returns the context of a store call under parent that must
 // end within d; endCall must follow the call.
-func (b *buffers) storeCall(parent context.Context, d time.Duration) *callContext {
+func (b *buffers) storeCall(parent context.Context, deadline time.Time) *callContext {
 	if b.call == nil {
 		b.call = new(callContext)
 	}
-	b.call.start(parent, time.Now().Add(d))
+	b.call.start(parent, deadline)
 	return b.call
 }
 

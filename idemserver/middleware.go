@@ -459,7 +459,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 // record's response comes back packed, whatever the store. The store's
 // answer must come within the store timeout (see [WithStoreTimeout]).
 func (m *handler) claimIn(ctx context.Context, bufs *buffers, c *Claim, takeOver bool, expiredToken string) (PackedClaimResult, error) {
-	call := bufs.storeCall(ctx, m.cfg.storeTimeout)
+	call := bufs.storeCall(ctx, m.callDeadline(c.Now))
 	res, err := m.claimCall(call, c, takeOver, expiredToken)
 	bufs.endCall(call, err == nil && res.Context != nil)
 	return res, err
@@ -613,7 +613,11 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 	}
 	var err error
 	for try := 1; ; try++ {
-		call := bufs.storeCall(storeCtx, cfg.storeTimeout)
+		start := now
+		if try > 1 {
+			start = cfg.now()
+		}
+		call := bufs.storeCall(storeCtx, m.callDeadline(start))
 		if m.packed != nil {
 			err = m.packed.CompletePacked(call, PackedCompletion{
 				Key: key, Token: token, Ref: claim.Ref, Response: packedOf(rec.parts()), Now: now, Expires: expires,
@@ -673,13 +677,25 @@ var endRetryDelays = [...]time.Duration{10 * time.Millisecond, 100 * time.Millis
 // while the lease lasts (leaseEnd, by the runtime's clock).
 func (m *handler) release(ctx context.Context, bufs *buffers, key Key, token string, leaseEnd time.Time) error {
 	for try := 1; ; try++ {
-		call := bufs.storeCall(ctx, m.cfg.storeTimeout)
+		call := bufs.storeCall(ctx, m.callDeadline(m.cfg.now()))
 		err := m.store.Release(call, key, token)
 		bufs.endCall(call, false)
 		if !retryEnd(err, try, leaseEnd) {
 			return err
 		}
 	}
+}
+
+// callDeadline returns the deadline of a store call that starts at now,
+// by the middleware's clock: now itself when that clock is the runtime's
+// (reading the clock once more costs a replay about a tenth of its time
+// here), else the runtime's clock read afresh, since a call's deadline is
+// real time.
+func (m *handler) callDeadline(now time.Time) time.Time {
+	if m.cfg.ownClock {
+		now = time.Now()
+	}
+	return now.Add(m.cfg.storeTimeout)
 }
 
 // retryEnd reports whether to try again the Complete or Release that failed

@@ -96,7 +96,9 @@ func (c *callContext) Err() error {
 	if c.err == nil {
 		if err := c.parent.Err(); err != nil {
 			c.endLocked(err)
-		} else if !c.stopped && !time.Now().Before(c.deadline) {
+		} else if !c.stopped && time.Until(c.deadline) <= 0 {
+			// time.Until reads only the monotonic clock, half of what
+			// time.Now reads.
 			c.endLocked(context.DeadlineExceeded)
 		}
 	}
