@@ -1,17 +1,10 @@
 package idemhttp
 
 import (
-	"net/http"
-	"strconv"
-	"strings"
 	"time"
-)
 
-// maxRetryAfterSeconds clamps delta-seconds too large to be meant literally,
-// as RFC 9111 section 1.2.2 does for delta-seconds that overflow; it keeps
-// the conversion to a Duration from overflowing. The Transport caps waits far
-// lower (see WithMaxRetryAfter).
-const maxRetryAfterSeconds = 1 << 31
+	"github.com/idemhttp/idemhttp/internal/retryafter"
+)
 
 // ParseRetryAfter parses the value of a Retry-After header field as RFC 9110
 // section 10.2.3 defines it: either a non-negative decimal number of seconds
@@ -24,32 +17,5 @@ const maxRetryAfterSeconds = 1 << 31
 // to 2^31 seconds. Leading and trailing spaces and tabs are allowed; signs,
 // fractions, other white space and anything after the value are not.
 func ParseRetryAfter(value string, now time.Time) (wait time.Duration, ok bool) {
-	value = strings.Trim(value, " \t") // optional whitespace is SP and HTAB only
-	if value == "" {
-		return 0, false
-	}
-	if isDigits(value) {
-		secs, err := strconv.ParseUint(value, 10, 64)
-		if err != nil || secs > maxRetryAfterSeconds { // only overflow can fail here
-			secs = maxRetryAfterSeconds
-		}
-		return time.Duration(secs) * time.Second, true
-	}
-	when, err := http.ParseTime(value)
-	if err != nil {
-		return 0, false
-	}
-	if d := when.Sub(now); d > 0 {
-		return d, true
-	}
-	return 0, true
-}
-
-func isDigits(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if s[i] < '0' || s[i] > '9' {
-			return false
-		}
-	}
-	return true
+	return retryafter.Parse(value, now)
 }

@@ -15,6 +15,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/idemhttp/idemhttp/internal/retryafter"
 )
 
 // Middleware returns net/http middleware that runs each keyed request's
@@ -738,7 +740,8 @@ func ReleasesStatus(status int) bool {
 // ReleasesResponse reports whether the middleware releases the claim of a
 // handler that answered with status and the header fields h (as they were
 // when it wrote the status), rather than storing the response: when
-// [ReleasesStatus] says so, and for a 409 with Retry-After. That is how a
+// [ReleasesStatus] says so, and for a 409 with a valid Retry-After
+// (delta-seconds or an HTTP-date). That is how a
 // server that deduplicates requests, as this middleware does, says that
 // another request with the key is still in progress. A handler that passes
 // it on from such a service behind it, as a gateway does, has no outcome
@@ -750,21 +753,31 @@ func ReleasesStatus(status int) bool {
 // as "retry-after", as it was set.
 func ReleasesResponse(status int, h http.Header) bool {
 	if status == http.StatusConflict {
-		return h.Get("Retry-After") != "" || nonCanonicalRetryAfter(h)
+		v := h.Get("Retry-After")
+		if v == "" {
+			v = nonCanonicalRetryAfter(h)
+		}
+		// A value that is not delta-seconds or an HTTP-date is one a
+		// client ignores (idemhttp's does), so that it takes the 409 for
+		// a final conflict; stored, every retry gets that same answer.
+		// Validity does not depend on the time: any instant will do.
+		_, ok := retryafter.Parse(v, time.Time{})
+		return ok
 	}
 	return ReleasesStatus(status)
 }
 
-// nonCanonicalRetryAfter reports whether h holds a Retry-After field with a
-// value under a name other than the canonical one. Only a 409 without the
-// canonical field looks, so no other response pays for the scan.
-func nonCanonicalRetryAfter(h http.Header) bool {
+// nonCanonicalRetryAfter returns the value of a Retry-After field that h
+// holds under a name other than the canonical one, or "". Only a 409
+// without the canonical field looks, so no other response pays for the
+// scan.
+func nonCanonicalRetryAfter(h http.Header) string {
 	for name, values := range h {
 		if len(values) > 0 && values[0] != "" && len(name) == len("Retry-After") && strings.EqualFold(name, "Retry-After") {
-			return true
+			return values[0]
 		}
 	}
-	return false
+	return ""
 }
 
 // reject answers with a problem of type typ and reports it, with the

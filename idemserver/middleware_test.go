@@ -773,6 +773,14 @@ func TestReleasesResponse(t *testing.T) {
 		{"conflict with RETRY-AFTER set in the map", http.StatusConflict, "1", true, "RETRY-AFTER"},
 		{"conflict with an empty retry-after", http.StatusConflict, "", false, "retry-after"},
 		{"conflict with another field set in the map", http.StatusConflict, "1", false, "retry-later"},
+		// A value a client ignores makes the 409 a final conflict to it
+		// (idemhttp's Transport does not retry it, and releases the
+		// operation's key): stored, every retry gets that same answer.
+		{"conflict with Retry-After: soon", http.StatusConflict, "soon", false, ""},
+		{"conflict with a negative Retry-After", http.StatusConflict, "-1", false, ""},
+		{"conflict with a fractional Retry-After", http.StatusConflict, "1.5", false, ""},
+		{"conflict with an invalid retry-after set in the map", http.StatusConflict, "0, 1", false, "retry-after"},
+		{"conflict with an HTTP-date", http.StatusConflict, "Sun, 06 Nov 1994 08:49:37 GMT", true, ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			h := http.Header{}
