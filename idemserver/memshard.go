@@ -57,6 +57,10 @@ type memSlot struct {
 	nextFree     int32 // of an unused slot
 	heapPos      int32 // in the expiry heap, once completed
 	completed    bool
+	// doneBy is the tag of the token that completed the record (see
+	// MemoryStore.tokenTag), so that a completion sent again is told
+	// from another claim's. It fits in the slot's padding.
+	doneBy uint32
 }
 
 // memRecordOverhead is what a record costs besides its strings: its slot,
@@ -135,12 +139,12 @@ func (sh *memShard) leased(s *MemoryStore, h uint64, key Key, token string) (int
 	return i, nil
 }
 
-// completedWith reports whether key's record, whose key hashes to h, is
-// completed with the response packed in data, after key (see
-// writePackedKey), whatever the order of its fields.
-func (sh *memShard) completedWith(h uint64, key Key, data string) bool {
+// completedWith reports whether key's record, whose key hashes to h, was
+// completed by the token whose tag is tag with the response packed in
+// data, after key (see writePackedKey), whatever the order of its fields.
+func (sh *memShard) completedWith(h uint64, key Key, tag uint32, data string) bool {
 	i := sh.find(h, key)
-	if i == none || !sh.slots[i].completed {
+	if i == none || !sh.slots[i].completed || sh.slots[i].doneBy != tag {
 		return false
 	}
 	_, _, n := unpackKey(data)
@@ -180,9 +184,10 @@ func (sh *memShard) lease(i int32, c Claim, now int64) {
 }
 
 // complete turns the in-progress record in slot i into a completed one
-// whose data (key and packed response) is data, to expire at expires. now,
-// unless it is noTime, is the time of the completion.
-func (sh *memShard) complete(i int32, data string, now, expires int64) {
+// whose data (key and packed response) is data, to expire at expires, by
+// the token whose tag is tag. now, unless it is noTime, is the time of the
+// completion.
+func (sh *memShard) complete(i int32, data string, tag uint32, now, expires int64) {
 	e := &sh.slots[i]
 	sh.bytes -= e.size()
 	e.data = data
@@ -191,7 +196,7 @@ func (sh *memShard) complete(i int32, data string, now, expires int64) {
 		e.since = now
 	}
 	e.token, e.leaseExpires = "", time.Time{} // a completed record has no lease
-	e.completed = true
+	e.completed, e.doneBy = true, tag
 	n := e.size()
 	sh.bytes += n
 	sh.done += n

@@ -334,6 +334,7 @@ func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) er
 	data := b.String()
 
 	s.init()
+	tag := s.tokenTag(c.Token)
 	now, expires := int64(noTime), s.times.of(c.Expires)
 	if !c.Now.IsZero() {
 		now = s.times.of(c.Now)
@@ -343,7 +344,7 @@ func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) er
 		sh, slot := &s.shards[shard], int32(uint32(c.Ref))-1
 		sh.mu.Lock()
 		if !s.closed.Load() && sh.holds(slot, c.Key, c.Token) {
-			sh.complete(slot, data, now, expires)
+			sh.complete(slot, data, tag, now, expires)
 			sh.mu.Unlock()
 			return nil
 		}
@@ -353,17 +354,27 @@ func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) er
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	i, err := sh.leased(s, h, c.Key, c.Token)
-	if err == ErrLeaseLost && sh.completedWith(h, c.Key, data) {
+	if err == ErrLeaseLost && sh.completedWith(h, c.Key, tag, data) {
 		// Sent again after it succeeded: the record holds this very
-		// response. (The token went with the lease; the response is
-		// the outcome either way.)
+		// response, stored under this token. (Another claim's
+		// completion with the same bytes is still refused: the lease
+		// lost is the one sign that the handler ran twice.)
 		return nil
 	}
 	if err != nil {
 		return err
 	}
-	sh.complete(i, data, now, expires)
+	sh.complete(i, data, tag, now, expires)
 	return nil
+}
+
+// tokenTag returns a 32-bit hash of a lease token, which a completed
+// record keeps in place of the token (see memSlot.doneBy): enough to
+// tell a completion sent again from another claim's, at no cost in
+// memory. Two tokens of one key that share a tag are as likely as a
+// random 32-bit collision.
+func (s *MemoryStore) tokenTag(token string) uint32 {
+	return uint32(maphash.String(s.seed, token))
 }
 
 // Release implements [Store].

@@ -433,7 +433,7 @@ func TestMemShardHashCollisions(t *testing.T) {
 	}
 	i := sh.find(h, keys[2])
 	require.NotEqual(t, int32(none), i)
-	sh.complete(i, sh.slots[i].data+PackResponse(&Response{Status: 201}).s, now, now+int64(time.Hour))
+	sh.complete(i, sh.slots[i].data+PackResponse(&Response{Status: 201}).s, 0, now, now+int64(time.Hour))
 	assert.Equal(t, 201, unpack(sh.slots[i].response()).status)
 	sh.remove(i)
 	assert.Zero(t, sh.index.n)
@@ -583,7 +583,7 @@ func TestMemShardExpiryOrder(t *testing.T) {
 		if rng.IntN(3) == 0 {
 			expires = now + int64(rng.IntN(4000))*int64(time.Second)
 		}
-		sh.complete(i, sh.slots[i].data, now, expires)
+		sh.complete(i, sh.slots[i].data, 0, now, expires)
 		live[i] = true
 		if rng.IntN(4) == 0 { // a removal from anywhere
 			for j := range live {

@@ -92,7 +92,13 @@
 //     waiting, and the key stays in progress (409 to a retry) until the
 //     standby confirms it, since a cancelled wait would report the commit
 //     made without the standby. Set the store timeout above the longest
-//     wait for the standby that should not fail a request.
+//     wait for the standby that should not fail a request. Until the
+//     server answers it, such a COMMIT keeps its pool connection, and a
+//     goroutine of the store waits for the answer, to return the
+//     connection to the pool. Neither ends with the request, nor with
+//     the DB's Close, which closes only idle connections: both end when
+//     the server answers or the connection fails (the operating system
+//     gives up on it, or pg_terminate_backend ends its session).
 //
 // A new key costs five round trips (read, BEGIN, claim, complete, COMMIT)
 // besides the handler's own, a replay one, and a duplicate in flight four

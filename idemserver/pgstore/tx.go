@@ -126,7 +126,10 @@ func (s *Store) begin(ctx context.Context, c idemserver.Claim) (*txState, error)
 // loses. Left to finish, the COMMIT holds the claim's locks until the
 // standby confirms it, so that a retry finds the key in progress until
 // then. Its connection returns to the pool when the server answers, or
-// when the operating system gives up on it.
+// when the operating system gives up on it. The goroutine that waits for
+// the answer is the connection's: it ends then, and nothing else ends it
+// (sql.DB.Close closes idle connections only; see the package
+// documentation).
 func (st *txState) commit(ctx context.Context) error {
 	done := make(chan error, 1)
 	go func() { done <- st.end(context.Background(), st.tx.Commit) }()

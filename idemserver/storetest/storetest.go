@@ -115,6 +115,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"LeaseExpiry", testLeaseExpiry},
 		{"CompleteAfterLeaseEnded", testCompleteAfterLeaseEnded},
 		{"CompleteSentAgain", testCompleteSentAgain},
+		{"StaleCompleteOfSameResponse", testStaleCompleteOfSameResponse},
 		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
 		{"CompleteRacesTakeOvers", testCompleteRacesTakeOvers},
 		{"Extend", testExtend},
@@ -772,6 +773,32 @@ func testCompleteSentAgain(t *testing.T, h *harness) {
 	other := cloneResponse(created)
 	other.Body = []byte(`{"id":2}`)
 	assert.ErrorIs(t, complete(other), idemserver.ErrLeaseLost, "another response under the same token")
+	h.expectReplay(key, f, created)
+}
+
+// testStaleCompleteOfSameResponse completes a record with the response of
+// the claim that took it over, and then sends the completion of the claim
+// whose lease ended, with the same response: a handler that returns the
+// same bytes whichever run it was (204, {"status":"ok"}). Only the token
+// tells the two apart, and the stale one must still be refused: the
+// middleware reports the lost lease, the one sign that the handler ran
+// twice, and a client told ErrLeaseLost learns the outcome from a retry.
+func testStaleCompleteOfSameResponse(t *testing.T, h *harness) {
+	key := idemserver.Key{Key: "k"}
+	f := fp("request")
+	dead := h.mustClaim(key, f, short)
+	h.waitLeaseExpired(key, dead)
+
+	c := h.newClaim(key, f, live)
+	res, err := h.claimOf(t.Context(), c, true, dead.c.Token)
+	require.NoError(t, err)
+	require.True(t, res.Claimed, "the takeover of an expired lease")
+	l := h.leaseOf(c, res)
+	require.NoError(t, h.complete(l, created, live))
+
+	assert.ErrorIs(t, h.complete(dead, created, live), idemserver.ErrLeaseLost,
+		"the completion of the lease that ended, with the same response")
+	require.NoError(t, h.complete(l, created, live), "the takeover's completion sent again")
 	h.expectReplay(key, f, created)
 }
 

@@ -1,7 +1,9 @@
 package storetest_test
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"strings"
@@ -154,6 +156,21 @@ var brokenStores = map[string]struct {
 			}
 		},
 		fails: []string{"Run/Expiry", "Run/ConcurrentClaimsOfExpiredRecord"},
+	},
+	"accepts another claim's completion of the response it holds": {
+		// As a store that takes a completion it finds already made, with
+		// the same response, for one sent again, whatever its token.
+		store: func(b *broken) {
+			b.complete = func(s *idemserver.MemoryStore, ctx context.Context, k idemserver.Key, token string, resp *idemserver.Response, exp time.Time) error {
+				err := s.Complete(ctx, k, token, resp, exp)
+				if rec, ok := peek(ctx, s, k); errors.Is(err, idemserver.ErrLeaseLost) && ok && rec.Completed() &&
+					rec.Response.Status == resp.Status && bytes.Equal(rec.Response.Body, resp.Body) {
+					return nil
+				}
+				return err
+			}
+		},
+		fails: []string{"Run/StaleCompleteOfSameResponse"},
 	},
 	"truncates bodies": {
 		store: func(b *broken) {
