@@ -177,10 +177,24 @@ func readBounded(body io.ReadCloser) (buf []byte, ok bool) {
 	return buf, err == nil && inTime && len(buf) <= maxDrain
 }
 
-// responseBody is the body of the response RoundTrip returns when
-// something remains to be done once the caller is through with it: end the
-// attempt's context, which must live while the body is read, and release
-// the operation's key once the outcome has reached the caller.
+// cancelBody is the body of a response whose attempt has a context of its
+// own (an attempt timeout), which must live while the body is read and
+// ends when it is closed.
+type cancelBody struct {
+	io.ReadCloser
+	cancel context.CancelFunc // ends the attempt's context
+}
+
+func (b *cancelBody) Close() error {
+	err := b.ReadCloser.Close()
+	b.cancel()
+	return err
+}
+
+// responseBody is the body of the response RoundTrip returns when the
+// operation's key may be released once the outcome has reached the
+// caller. It also ends the attempt's context, which must live while the
+// body is read.
 //
 // The key is released when a read reaches the end of the body, or when the
 // body is closed with no read failed and none in progress. A read that
@@ -202,6 +216,9 @@ type responseBody struct {
 	// flight holds the operation's flight, which ends once the key's fate
 	// is decided, after its release (see flights).
 	flight *flights
+	// held, for an operation made with HoldKey, is where the key's fate is
+	// recorded for Settle, which releases it instead.
+	held *heldKey
 }
 
 func (b *responseBody) Read(p []byte) (int, error) {
@@ -217,12 +234,21 @@ func (b *responseBody) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// settle releases the key if release is set, then ends the operation's
-// flight, even if the KeyStore panics: a flight left open would refuse
-// every later call of the operation.
+// settle decides the key's fate (see decideKey), then ends the
+// operation's flight, even if the KeyStore panics: a flight left open
+// would refuse every later call of the operation.
 func (b *responseBody) settle(release bool) {
 	defer b.endFlight()
-	if release {
+	b.decideKey(release)
+}
+
+// decideKey releases the key if release is set; for an operation made
+// with HoldKey it records instead whether Settle may release it.
+func (b *responseBody) decideKey(release bool) {
+	switch {
+	case b.held != nil:
+		b.held.decide(release)
+	case release:
 		b.t.releaseKey(b.ctx, b.operation, b.key)
 	}
 }
@@ -239,8 +265,8 @@ func (b *responseBody) Close() error {
 	}
 	err := b.ReadCloser.Close()
 	b.cancel()
-	if release {
-		b.t.releaseKey(b.ctx, b.operation, b.key)
+	if decide {
+		b.decideKey(release)
 	}
 	return err
 }

@@ -49,7 +49,10 @@
 // the request that follows reaches the caller (a 4xx answering the GET
 // that follows a 301, 302 or 303 is never final: the redirect was the
 // key's outcome); a redirect returned unfollowed leaves it pending (see
-// [Transport]).
+// [Transport]). With [HoldKey] the Transport leaves the key pending even
+// then, and the caller releases it with [Settle] once it has saved the
+// outcome, so that a crash between reading the outcome and saving it
+// leaves the key to be sent again.
 //
 // The default [MemoryKeyStore] forgets everything when the process exits. A
 // [FileKeyStore], from [OpenFileKeyStore], keeps pending keys in a file that

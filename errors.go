@@ -27,6 +27,14 @@ var (
 	// [KeyStore]; nothing was sent, and the operation's key stays pending.
 	// The error names the operation.
 	ErrOperationInFlight = errors.New("idemhttp: operation already in flight")
+	// ErrNotFinal: [Settle] was given a response whose outcome the
+	// Transport would not have released the key for, not yet or not at
+	// all; nothing was released, and the operation's key stays pending.
+	ErrNotFinal = errors.New("idemhttp: outcome not final, key kept")
+	// ErrNotHeld: [Settle] was given a response that holds no key for it,
+	// one not returned by a [Transport] for an operation made with
+	// [HoldKey]; nothing was released.
+	ErrNotHeld = errors.New("idemhttp: response holds no operation key")
 )
 
 // RetryError is the error a Transport returns when a request ends without a

@@ -384,6 +384,8 @@ func TestKeyStoreChild(t *testing.T) {
 		upgradeChild(path)
 	case "restart-a", "restart-b":
 		restartChild(mode, path)
+	case "hold", "hold-slow":
+		holdChild(mode, path)
 	default:
 		fmt.Println("unknown mode", mode)
 	}

@@ -23,7 +23,10 @@ const MaxOperationIDLen = 1024
 // retries ran out, or whose response body was lost in transit, stays
 // pending for the next call. The Transport calls Release from the caller's
 // Read or Close of the response body, so a store that makes releases
-// durable delays that call by its write.
+// durable delays that call by its write. For an operation made with
+// [HoldKey], the Transport never calls Release: [Settle] does, once the
+// caller has kept the outcome, and only for an outcome the Transport would
+// have released the key for.
 //
 // The Transport lets one call of an operation at a time send its key (see
 // [WithOperation]). The KeyStores of this package hold the marks of the

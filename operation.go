@@ -17,6 +17,11 @@ type operationKey struct{}
 // received: its body read to the end, or closed with no read of it failed
 // or in progress (see [Transport]). Until then, including when the response body
 // is lost in transit, a call with the same id sends the same key again.
+// With [HoldKey] among opts, the Transport never releases the key itself:
+// the caller releases it with [Settle] once it has kept what the response
+// told it, so that a crash between reading the outcome and keeping it
+// leaves the key pending (see HoldKey). The flight of such a call ends
+// all the same, as described below.
 //
 // One call of an operation is in flight at a time, among all the
 // Transports over one KeyStore in a process. A call is in flight from the
@@ -54,12 +59,72 @@ type operationKey struct{}
 // the operation anew under a new key. So two parts of a program that run
 // one operation must not both call it to completion: the guard keeps
 // overlapping calls apart, not calls made one after the other.
-func WithOperation(ctx context.Context, id string) context.Context {
+func WithOperation(ctx context.Context, id string, opts ...OperationOption) context.Context {
+	var o operationConfig
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&o)
+		}
+	}
+	if o.hold {
+		return context.WithValue(ctx, operationKey{}, heldOperation(id))
+	}
 	return context.WithValue(ctx, operationKey{}, id)
+}
+
+// An OperationOption configures an operation named by [WithOperation].
+type OperationOption func(*operationConfig)
+
+type operationConfig struct {
+	hold bool
+}
+
+// heldOperation is the id of an operation made with [HoldKey], as the
+// context holds it. A plain id is held as a string, so an operation
+// without options costs what it always has.
+type heldOperation string
+
+// HoldKey makes the caller, not the Transport, release the operation's key.
+//
+// By default the key is released when the final response's body has been
+// read to its end or closed, before the caller has done anything with what
+// it read. A program that dies between reading "paid" and recording the
+// payment in its own database restarts with nothing pending, calls again
+// under a new key, and the server acts a second time. With HoldKey the
+// Transport decides the outcome as it otherwise would, and ends the call's
+// flight at the same moment (so the next call of the operation is not
+// refused), but leaves the key pending: a call with the same id, in this
+// process or after a restart, sends the same key and gets the server's
+// replay. Once the program has kept the outcome, it calls [Settle] with
+// the response, which releases the key if, and only if, the Transport
+// would have released it.
+//
+// HoldKey is an option of the operation, not of the Transport, because the
+// code that settles is the code that makes the call: a Transport that held
+// every operation's key would leave pending for good the keys of callers
+// that never learnt to call Settle, and each of their later calls would
+// get a replay of the first outcome instead of a new operation.
+//
+// A key that is never settled stays pending with no time limit, as any
+// pending key does (see [KeyStore.Pending]).
+func HoldKey() OperationOption {
+	return func(o *operationConfig) { o.hold = true }
 }
 
 // OperationFrom returns the operation id that [WithOperation] stored in ctx.
 func OperationFrom(ctx context.Context) (id string, ok bool) {
-	id, ok = ctx.Value(operationKey{}).(string)
+	id, _, ok = operationOf(ctx)
 	return id, ok
+}
+
+// operationOf returns the operation that [WithOperation] stored in ctx,
+// and whether it was made with [HoldKey].
+func operationOf(ctx context.Context) (id string, hold, ok bool) {
+	switch v := ctx.Value(operationKey{}).(type) {
+	case string:
+		return v, false, true
+	case heldOperation:
+		return string(v), true, true
+	}
+	return "", false, false
 }

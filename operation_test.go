@@ -16,12 +16,20 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-func TestOperationKeyLifecycle(t *testing.T) {
-	tests := []struct {
-		name        string
-		reply       []func(http.ResponseWriter, *http.Request)
-		wantPending bool
-	}{
+// lifecycleCase is a reply to an operation's call, sent through a
+// Transport that makes two attempts, and whether it leaves the
+// operation's key pending once the response's body is closed.
+type lifecycleCase struct {
+	name        string
+	reply       []func(http.ResponseWriter, *http.Request)
+	wantPending bool
+}
+
+// lifecycleCases are the Transport's rules for releasing an operation's
+// key, which TestOperationKeyLifecycle checks, and which Settle follows
+// for an operation made with HoldKey (TestSettleFollowsTheKeyLifecycle).
+func lifecycleCases() []lifecycleCase {
+	return []lifecycleCase{
 		{"2xx releases", []func(http.ResponseWriter, *http.Request){status(201)}, false},
 		{"3xx releases", []func(http.ResponseWriter, *http.Request){status(304)}, false},
 		{"303 without a Location releases", []func(http.ResponseWriter, *http.Request){status(303)}, false},
@@ -45,7 +53,10 @@ func TestOperationKeyLifecycle(t *testing.T) {
 		{"non-retryable 5xx stays pending", []func(http.ResponseWriter, *http.Request){status(501)}, true},
 		{"lost connections stay pending", []func(http.ResponseWriter, *http.Request){hangUp}, true},
 	}
-	for _, tt := range tests {
+}
+
+func TestOperationKeyLifecycle(t *testing.T) {
+	for _, tt := range lifecycleCases() {
 		t.Run(tt.name, func(t *testing.T) {
 			srv := newServer(t, tt.reply...)
 			store := NewMemoryKeyStore()

@@ -51,7 +51,9 @@ import (
 // returns [io.EOF] or in Close after the connection has been handed back;
 // a durable KeyStore's write for it delays that call, not the response. A
 // response returned because retries ran out, or any other outcome that is
-// not final, leaves the key pending as it is.
+// not final, leaves the key pending as it is. For an operation made with
+// [HoldKey], the key stays pending in every case, and [Settle] releases it
+// later by these same rules.
 //
 // Only one call of an operation is in flight at a time among the
 // Transports over one KeyStore: a call with the id of an operation that
@@ -264,6 +266,11 @@ type call struct {
 	// attempt: it was pending before the call, or the redirect this call
 	// follows answered a send of it that was not its first.
 	carried bool
+	// hold: the operation was made with HoldKey, and its key is released
+	// by Settle, not by the call; held is the key as the response
+	// returned holds it for Settle.
+	hold bool
+	held *heldKey
 
 	host     string          // scheme://host:port, for per-host state
 	admitted time.Time       // when the attempt in flight was admitted, or the call began
@@ -334,19 +341,26 @@ func (c *call) deliver(n int, o outcome) *http.Response {
 	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
 		c.linkRedirect(resp, c.keySentBefore(n))
 	}
+	if c.hold && c.pending {
+		c.held = c.holdKey(resp, release)
+	}
 	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
 		// connection, no longer the outcome.
 		c.release()
 		release = false
 	}
-	if release || c.t.cfg.attemptTimeout > 0 {
-		b := &responseBody{ReadCloser: resp.Body, cancel: o.cancel}
-		if release {
-			b.t, b.ctx, b.operation, b.key = c.keyOwner(), c.ctx, c.operation, c.opKey
-			// The body ends the flight once it has decided the key's fate.
-			b.flight, c.flight = c.flight, nil
-		}
+	switch {
+	case release:
+		b := &responseBody{ReadCloser: resp.Body, cancel: o.cancel,
+			t: c.keyOwner(), ctx: c.ctx, operation: c.operation, key: c.opKey, held: c.held}
+		// The body ends the flight once it has decided the key's fate.
+		b.flight, c.flight = c.flight, nil
+		resp.Body = b
+	case c.t.cfg.attemptTimeout > 0:
+		// Only the attempt's context to end: a body of a quarter of the
+		// size. A 101 is never released (above), so it is always here.
+		b := &cancelBody{ReadCloser: resp.Body, cancel: o.cancel}
 		resp.Body = b
 		if w, ok := b.ReadCloser.(io.Writer); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 			resp.Body = upgradedBody{b, w}
@@ -359,7 +373,7 @@ func (c *call) deliver(n int, o outcome) *http.Response {
 // connection itself, which net/http hands over as an io.ReadWriteCloser
 // for the caller to speak the new protocol on. Its wrapper keeps Write.
 type upgradedBody struct {
-	*responseBody
+	*cancelBody
 	w io.Writer
 }
 
@@ -408,6 +422,9 @@ func replayed(h http.Header) bool {
 func (c *call) refused(n int, last outcome, reason Reason, err error) (*http.Response, error) {
 	c.report(n, outcome{err: err, unsent: true}, reason, 0)
 	if last.resp != nil && reason != ReasonCanceled {
+		if c.hold && c.pending {
+			c.holdKey(last.resp, false)
+		}
 		return last.resp, nil
 	}
 	if last.resp != nil {
@@ -456,10 +473,11 @@ func (c *call) assignKey() error {
 				return err
 			}
 		}
-		if op, ok := OperationFrom(c.ctx); ok && !linked {
+		if op, hold, ok := operationOf(c.ctx); ok && !linked {
 			if err = c.startFlight(c.t.flights, op); err != nil {
 				return err
 			}
+			c.hold = hold
 			candidate := key
 			if key, err = cfg.keyStore.Acquire(c.ctx, op, key); err != nil {
 				return err
@@ -549,6 +567,7 @@ type redirectLink struct {
 	// flights).
 	flight uint64
 	shared bool
+	hold   bool // the operation was made with HoldKey
 }
 
 // redirectLinkKey is the context key of a redirectLink.
@@ -566,7 +585,7 @@ type redirectLinkKey struct{}
 // attempt resp answers; the request that follows inherits it.
 func (c *call) linkRedirect(resp *http.Response, sentBefore bool) {
 	r := resp.Request // set by attempt if the base transport did not
-	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey, sentBefore, c.flightN, c.shared})
+	ctx := context.WithValue(r.Context(), redirectLinkKey{}, redirectLink{c.keyOwner(), c.operation, c.opKey, sentBefore, c.flightN, c.shared, c.hold})
 	resp.Request = r.WithContext(ctx)
 	c.handed = true
 }
@@ -591,7 +610,7 @@ func (c *call) followLink() bool {
 		return false
 	}
 	c.operation, c.opKey, c.pending, c.carried = l.operation, l.key, true, l.sentBefore
-	c.flightN, c.shared = l.flight, l.shared
+	c.flightN, c.shared, c.hold = l.flight, l.shared, l.hold
 	if l.owner != c.t {
 		c.owner = l.owner
 	}
@@ -1047,9 +1066,13 @@ func (c *call) log(a Attempt) {
 	c.t.cfg.logger.LogAttrs(c.ctx, level, msg, attrs...)
 }
 
-// release forgets the operation's key once its outcome is final.
+// release forgets the operation's key once its outcome is final and
+// delivered, or, for an operation made with HoldKey, leaves it to Settle.
 func (c *call) release() {
-	if c.pending {
+	switch {
+	case c.held != nil:
+		c.held.decide(true)
+	case c.pending:
 		c.keyOwner().releaseKey(c.ctx, c.operation, c.opKey)
 	}
 }

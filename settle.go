@@ -1,0 +1,124 @@
+package idemhttp
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+)
+
+// The fates of a held key, as the response that holds it decides them.
+const (
+	heldUndecided int32 = iota // the body is not yet read to its end or closed
+	heldDelivered              // the final outcome reached the caller: Settle may release
+	heldKept                   // a read of the body failed, or a Close interrupted one
+	heldNotFinal               // the response is not the operation's final outcome
+)
+
+// heldKey is the pending key of an operation made with [HoldKey], as the
+// response of one of its calls holds it for [Settle]. It rides in the
+// context of the response's Request, where http.Client leaves it, as the
+// link of a redirect does (see linkRedirect).
+type heldKey struct {
+	owner          *Transport // whose KeyStore holds key
+	operation, key string
+	status         int
+	fate           atomic.Int32 // one of the held constants
+
+	mu      sync.Mutex // serializes Settles of this response
+	settled bool       // a Settle released the key
+}
+
+// heldKeyCtx is the context key of a *heldKey.
+type heldKeyCtx struct{}
+
+// holdKey attaches to resp the operation's key, which the call leaves
+// pending for [Settle]. final says whether resp is the operation's final
+// outcome; if so, it is delivered once its body has been read to its end
+// or closed (see decide), and at once if it has none.
+func (c *call) holdKey(resp *http.Response, final bool) *heldKey {
+	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode}
+	if !final {
+		h.fate.Store(heldNotFinal)
+	}
+	r := resp.Request // set by attempt if the base transport did not
+	resp.Request = r.WithContext(context.WithValue(r.Context(), heldKeyCtx{}, h))
+	return h
+}
+
+// decide records what became of the final response's body: delivered if
+// it was read to its end or closed with no read failed or in progress.
+// The first decision stands.
+func (h *heldKey) decide(delivered bool) {
+	fate := heldKept
+	if delivered {
+		fate = heldDelivered
+	}
+	h.fate.CompareAndSwap(heldUndecided, fate)
+}
+
+// Settle releases the idempotency key of the operation whose call returned
+// resp, a call made with [HoldKey] (see [WithOperation]). Call it once the
+// program has kept what the response told it, so that a crash before then
+// leaves the key pending and the next call of the operation gets the
+// server's replay instead of acting again.
+//
+// Settle releases the key only if the Transport would have released it
+// without HoldKey: resp is the operation's final outcome (for a redirect
+// that [http.Client] followed, the response of the last request of the
+// chain), and its body has been read to its end, or closed with no read
+// failed or in progress. Otherwise it releases nothing and returns an
+// error that wraps [ErrNotFinal]: read the body to its end or close it
+// first, or, for an outcome that is not final, call the operation again.
+// A response of a call made without HoldKey, without an operation, or
+// through a RoundTripper other than a [Transport] holds no key for
+// Settle: the error wraps [ErrNotHeld].
+//
+// The key is released in the [KeyStore] of the Transport that holds it,
+// with [KeyStore.Release], which forgets only that key: a Settle that
+// comes after the operation has been started anew under another key
+// leaves the new key alone. Settle takes the operation's flight while it
+// releases, so it never releases a key that another call is sending: if a
+// call of the operation is in flight, it fails with an error that wraps
+// [ErrOperationInFlight], and the key stays pending; settle again once
+// that call is through. The KeyStore's error, if any, is returned, and the
+// key stays pending. Once a Settle of resp has released the key, later
+// ones return nil and do nothing. Settle is safe for concurrent use.
+func Settle(ctx context.Context, resp *http.Response) error {
+	var h *heldKey
+	if resp != nil && resp.Request != nil {
+		h, _ = resp.Request.Context().Value(heldKeyCtx{}).(*heldKey)
+	}
+	if h == nil {
+		return fmt.Errorf("%w: not a response of an operation made with HoldKey through a Transport", ErrNotHeld)
+	}
+	return h.settle(ctx)
+}
+
+func (h *heldKey) settle(ctx context.Context) error {
+	switch h.fate.Load() {
+	case heldDelivered:
+	case heldUndecided:
+		return fmt.Errorf("%w: %q: the response body is not yet read to its end or closed", ErrNotFinal, h.operation)
+	case heldKept:
+		return fmt.Errorf("%w: %q: reading the response body failed", ErrNotFinal, h.operation)
+	default:
+		return fmt.Errorf("%w: %q: a %d is not the operation's final outcome", ErrNotFinal, h.operation, h.status)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.settled {
+		return nil
+	}
+	f := h.owner.flights
+	if _, err := f.start(h.operation); err != nil {
+		return err
+	}
+	defer f.end(h.operation)
+	if err := h.owner.cfg.keyStore.Release(ctx, h.operation, h.key); err != nil {
+		return fmt.Errorf("idemhttp: settling %q: %w", h.operation, err)
+	}
+	h.settled = true
+	return nil
+}
