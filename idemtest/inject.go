@@ -288,8 +288,14 @@ func (w *replayWriter) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// Flush lets a streaming handler flush through the writer.
-func (w *replayWriter) Flush() { _ = http.NewResponseController(w.ResponseWriter).Flush() }
+// FlushError lets a streaming handler flush through the writer, and tells
+// it when the flush failed, as the writer underneath does.
+func (w *replayWriter) FlushError() error {
+	return http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+// Flush implements [http.Flusher]; see FlushError.
+func (w *replayWriter) Flush() { _ = w.FlushError() }
 
 // Unwrap gives http.ResponseController the writer underneath.
 func (w *replayWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }

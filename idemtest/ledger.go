@@ -398,14 +398,20 @@ func (w *statusWriter) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// Flush lets a streaming handler flush through the ledger.
-func (w *statusWriter) Flush() {
+// FlushError lets a streaming handler flush through the ledger, and tells
+// it when the flush failed (its client went away, say), as the writer
+// underneath does: a handler that stops streaming on that error must see
+// it here as it would without the ledger.
+func (w *statusWriter) FlushError() error {
 	if w.status == 0 {
 		w.status = http.StatusOK
 		w.noteFields()
 	}
-	_ = http.NewResponseController(w.ResponseWriter).Flush()
+	return http.NewResponseController(w.ResponseWriter).Flush()
 }
+
+// Flush implements [http.Flusher]; see FlushError.
+func (w *statusWriter) Flush() { _ = w.FlushError() }
 
 // Unwrap gives http.ResponseController the writer underneath.
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
