@@ -121,8 +121,8 @@ func WithMaxBytes(n int64) MemoryOption {
 // drop is reported in [ClaimResult.Evictions], and by the middleware to
 // its observer in [Event.Evictions], and to [WithEvictionReport]'s
 // function. No drop goes unreported: for a claim whose evictions no one
-// would see (a middleware without [WithObserver], which sets
-// [Claim.IgnoreEvictions]), a store without WithEvictionReport drops
+// would see (one without [Claim.ReportEvictions], as from a middleware
+// without [WithObserver]), a store without WithEvictionReport drops
 // nothing live and fails with [ErrStoreFull], as without this option, which
 // is what a full store does: it refuses new keys.
 func WithEvictOldest() MemoryOption {
@@ -264,7 +264,7 @@ func (s *MemoryStore) claim(ctx context.Context, c PackedClaim, decode bool) (Pa
 			return res, nil
 		}
 	}
-	evictions, err := s.makeRoom(sh, int64(packedKeyLen(c.Key)+len(c.Token))+memRecordOverhead, now, !c.IgnoreEvictions)
+	evictions, err := s.makeRoom(sh, int64(packedKeyLen(c.Key)+len(c.Token))+memRecordOverhead, now, c.ReportEvictions)
 	if err != nil {
 		return PackedClaimResult{}, err
 	}
@@ -300,7 +300,8 @@ func (s *MemoryStore) makeRoom(sh *memShard, size, now int64, list bool) ([]Evic
 	}
 	if !list && s.report == nil {
 		return nil, fmt.Errorf("%w: a shard holds %d live records, and an eviction would go unreported "+
-			"(the middleware has no observer, and the store no WithEvictionReport)", ErrStoreFull, sh.len)
+			"(the claim does not report evictions, as from a middleware without an observer, "+
+			"and the store has no WithEvictionReport)", ErrStoreFull, sh.len)
 	}
 	var evicted []Eviction
 	for !fits(sh.len, sh.bytes) {

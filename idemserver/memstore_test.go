@@ -18,7 +18,7 @@ import (
 )
 
 func testClaim(key string, now time.Time) Claim {
-	return Claim{Key: Key{Key: key}, Token: "token-" + key, Now: now, LeaseExpires: now.Add(time.Minute)}
+	return Claim{Key: Key{Key: key}, Token: "token-" + key, Now: now, LeaseExpires: now.Add(time.Minute), ReportEvictions: true}
 }
 
 func TestMemoryStoreLifecycle(t *testing.T) {
@@ -455,14 +455,17 @@ func TestMiddlewareWithFullMemoryStore(t *testing.T) {
 		observe, report  bool
 		evictsReportedTo string // "" when the store fails closed
 		wrapped          bool   // in a Store that is not a PackedStore
+		rebuilt          bool   // by a wrapper that rebuilds each Claim, dropping fields it does not know
 	}{
-		{"fails closed by default", false, true, false, "", false},
-		{"evicts and reports when allowed", true, true, false, "observer", false},
-		{"evicts and reports when allowed, wrapped", true, true, false, "observer", true},
-		{"fails closed when allowed but no one would hear of it", true, false, false, "", false},
-		{"fails closed when allowed but no one would hear of it, wrapped", true, false, false, "", true},
-		{"evicts when the store reports it", true, false, true, "store", false},
-		{"evicts when the store reports it, wrapped", true, false, true, "store", true},
+		{"fails closed by default", false, true, false, "", false, false},
+		{"evicts and reports when allowed", true, true, false, "observer", false, false},
+		{"evicts and reports when allowed, wrapped", true, true, false, "observer", true, false},
+		{"fails closed when allowed but no one would hear of it", true, false, false, "", false, false},
+		{"fails closed when allowed but no one would hear of it, wrapped", true, false, false, "", true, false},
+		{"evicts when the store reports it", true, false, true, "store", false, false},
+		{"evicts when the store reports it, wrapped", true, false, true, "store", true, false},
+		{"fails closed when a wrapper drops the claim's report flag", true, true, false, "", true, true},
+		{"fails closed when a wrapper drops the claim's report flag, no observer", true, false, false, "", true, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := newFakeClock()
@@ -481,7 +484,14 @@ func TestMiddlewareWithFullMemoryStore(t *testing.T) {
 			}
 			var store Store = NewMemoryStore(opts...)
 			if tt.wrapped {
-				store = &stubStore{MemoryStore: store.(*MemoryStore)}
+				stub := &stubStore{MemoryStore: store.(*MemoryStore)}
+				if tt.rebuilt {
+					stub.claim = func(ctx context.Context, c Claim) (ClaimResult, error) {
+						return stub.MemoryStore.Claim(ctx, Claim{Key: c.Key, Fingerprint: c.Fingerprint,
+							Token: c.Token, Now: c.Now, LeaseExpires: c.LeaseExpires})
+					}
+				}
+				store = stub
 			}
 			h := &countingHandler{}
 			mw := Middleware(store, mwOpts...)(h)

@@ -372,7 +372,7 @@ func (m *handler) claim(w http.ResponseWriter, r *http.Request, key Key, fp Fing
 		if cfg.ownClock {
 			sent = time.Now()
 		}
-		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease), IgnoreEvictions: cfg.observe == nil}
+		return Claim{Key: key, Fingerprint: fp, Now: now, LeaseExpires: now.Add(cfg.lease), ReportEvictions: cfg.observe != nil}
 	}
 	c := newClaim()
 	res, err := m.claimIn(ctx, bufs, &c, false, "")

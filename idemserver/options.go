@@ -312,8 +312,9 @@ func WithClock(now func() time.Time) Option {
 // on the request's goroutine after the response is written (for a handler
 // that panicked, before the panic goes on) and must not block. Without an
 // observer, no one hears of records a store drops early to make room
-// ([Event.Evictions]), so the middleware tells the store, in
-// [Claim.IgnoreEvictions], to drop none it does not report otherwise.
+// ([Event.Evictions]), so the middleware does not set
+// [Claim.ReportEvictions], and the store drops none it does not report
+// otherwise.
 func WithObserver(observe func(Event)) Option {
 	return func(c *config) { c.observe = observe }
 }

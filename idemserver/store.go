@@ -167,12 +167,14 @@ type Claim struct {
 	// LeaseExpires is when the lease ends and the record, if still in
 	// progress, may be taken over.
 	LeaseExpires time.Time
-	// IgnoreEvictions says that no one will look at the result's
-	// Evictions (the middleware has no observer), so that the store need
-	// not list them. A store that reports evictions nowhere else must then
-	// drop no live record for the claim: the drop would go unreported. A
-	// Store that wraps another passes it on with the claim.
-	IgnoreEvictions bool
+	// ReportEvictions says that the caller reports the result's Evictions
+	// (the middleware does so to its observer). Without it, a store that
+	// reports evictions nowhere else drops no live record for the claim:
+	// the drop would go unreported. A Store that wraps another passes it on
+	// with the claim; one that drops it makes the store refuse to evict,
+	// which fails closed ([ErrStoreFull]) rather than forgetting a key in
+	// silence.
+	ReportEvictions bool
 }
 
 // ClaimResult is what [Store.Claim] and [Store.TakeOver] report.
