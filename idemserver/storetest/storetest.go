@@ -770,9 +770,19 @@ func testCompleteSentAgain(t *testing.T, h *harness) {
 			require.NoError(t, complete(cloneResponse(created)), "the same completion sent again")
 		}
 	}
-	other := cloneResponse(created)
-	other.Body = []byte(`{"id":2}`)
-	assert.ErrorIs(t, complete(other), idemserver.ErrLeaseLost, "another response under the same token")
+	for _, change := range []struct {
+		name string
+		edit func(*idemserver.Response)
+	}{
+		{"body", func(r *idemserver.Response) { r.Body = []byte(`{"id":2}`) }},
+		{"status", func(r *idemserver.Response) { r.Status = http.StatusAccepted }},
+		{"header field", func(r *idemserver.Response) { r.Header.Set("Location", "/payments/2") }},
+		{"header field added", func(r *idemserver.Response) { r.Header.Set("Retry-After", "1") }},
+	} {
+		other := cloneResponse(created)
+		change.edit(other)
+		assert.ErrorIs(t, complete(other), idemserver.ErrLeaseLost, "another %s under the same token", change.name)
+	}
 	h.expectReplay(key, f, created)
 }
 
