@@ -83,7 +83,10 @@ func (h *heldKey) decide(delivered bool) {
 // call of the operation is in flight, it fails with an error that wraps
 // [ErrOperationInFlight], and the key stays pending; settle again once
 // that call is through. The KeyStore's error, if any, is returned, and the
-// key stays pending. Once a Settle of resp has released the key, later
+// key stays pending. A Settle whose ctx has ended releases nothing and
+// returns ctx's error; once the release has begun, Settle waits for it to
+// finish even if ctx ends, as the Transport's own releases do, so that an
+// error always means the key is still pending. Once a Settle of resp has released the key, later
 // ones return nil and do nothing. Settle is safe for concurrent use.
 func Settle(ctx context.Context, resp *http.Response) error {
 	var h *heldKey
@@ -111,12 +114,19 @@ func (h *heldKey) settle(ctx context.Context) error {
 	if h.settled {
 		return nil
 	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("idemhttp: settling %q: %w", h.operation, err)
+	}
 	f := h.owner.flights
 	if _, err := f.start(h.operation); err != nil {
 		return err
 	}
 	defer f.end(h.operation)
-	if err := h.owner.cfg.keyStore.Release(ctx, h.operation, h.key); err != nil {
+	// Once begun, the release is waited for even if ctx ends: a store may
+	// forget the key at once and make that durable later (a FileKeyStore
+	// does), and an error returned meanwhile would say the key is pending
+	// while the next call of the operation takes a new one.
+	if err := h.owner.cfg.keyStore.Release(context.WithoutCancel(ctx), h.operation, h.key); err != nil {
 		return fmt.Errorf("idemhttp: settling %q: %w", h.operation, err)
 	}
 	h.settled = true
