@@ -42,7 +42,8 @@ type operationKey struct{}
 // redirect was returned and before it is followed: the request that
 // follows is then refused if that call is still in flight, and otherwise
 // sent, but its outcome leaves the key pending, for the other call's
-// caller may still need it, and the next call gets the server's replay. A
+// caller may still need it, and the next call gets the server's replay
+// (with HoldKey, [Settle] of that outcome returns nil and releases nothing). A
 // body whose outcome may release the key keeps the operation in flight
 // until it is read to its end, fails or is closed, even once the call's
 // context has ended (a response abandoned when a timeout fires holds it

@@ -25,6 +25,10 @@ type heldKey struct {
 	operation, key string
 	status         int
 	fate           atomic.Int32 // one of the held constants
+	// shared: another call of the operation sent the key in the gap
+	// before the redirect this call followed (see flights), and the key
+	// is that call's to release: Settle releases nothing.
+	shared bool
 
 	mu      sync.Mutex // serializes Settles of this response
 	settled bool       // a Settle released the key
@@ -38,7 +42,7 @@ type heldKeyCtx struct{}
 // outcome; if so, it is delivered once its body has been read to its end
 // or closed (see decide), and at once if it has none.
 func (c *call) holdKey(resp *http.Response, final bool) *heldKey {
-	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode}
+	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode, shared: c.shared}
 	if !final {
 		h.fate.Store(heldNotFinal)
 	}
@@ -71,6 +75,11 @@ func (h *heldKey) decide(delivered bool) {
 // failed or in progress. Otherwise it releases nothing and returns an
 // error that wraps [ErrNotFinal]: read the body to its end or close it
 // first, or, for an outcome that is not final, call the operation again.
+// The request that follows a redirect after another call of the operation
+// ran in between (see [WithOperation]) gets an outcome that is final for
+// its caller, but its key is the other call's: once the body has been read
+// to its end or closed, Settle returns nil and releases nothing, and the
+// key stays pending until the other call's outcome releases it.
 // A response of a call made without HoldKey, without an operation, or
 // through a RoundTripper other than a [Transport] holds no key for
 // Settle: the error wraps [ErrNotHeld].
@@ -108,6 +117,9 @@ func (h *heldKey) settle(ctx context.Context) error {
 		return fmt.Errorf("%w: %q: reading the response body failed", ErrNotFinal, h.operation)
 	default:
 		return fmt.Errorf("%w: %q: a %d is not the operation's final outcome", ErrNotFinal, h.operation, h.status)
+	}
+	if h.shared {
+		return nil
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -334,15 +334,21 @@ func (c *call) run() (*http.Response, error) {
 // is released at once.
 func (c *call) deliver(n int, o outcome) *http.Response {
 	resp := o.resp
-	release := c.pending && !c.shared && finalStatus(resp.StatusCode, resp.Header)
-	if release && resp.StatusCode >= 400 && !c.fourXXSettles(n, resp.Header) {
-		release = false
+	final := c.pending && finalStatus(resp.StatusCode, resp.Header)
+	if final && resp.StatusCode >= 400 && !c.fourXXSettles(n, resp.Header) {
+		final = false
 	}
-	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
+	if c.pending && !final && followedRedirect(resp.StatusCode, resp.Header) {
 		c.linkRedirect(resp, c.keySentBefore(n))
 	}
+	// A call that shares the key with another releases nothing: the key
+	// is the other call's (see flights).
+	release := final && !c.shared
 	if c.hold && c.pending {
-		c.held = c.holdKey(resp, release)
+		// A shared outcome is final all the same, and Settle must learn
+		// when it has been delivered, though it releases nothing then.
+		c.held = c.holdKey(resp, final)
+		release = final
 	}
 	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
