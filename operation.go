@@ -98,7 +98,8 @@ type heldOperation string
 // process or after a restart, sends the same key and gets the server's
 // replay. Once the program has kept the outcome, it calls [Settle] with
 // the response, which releases the key if, and only if, the Transport
-// would have released it.
+// would have released it, and no call of the operation has started since
+// (that call's caller may need the key still; see Settle).
 //
 // HoldKey is an option of the operation, not of the Transport, because the
 // code that settles is the code that makes the call: a Transport that held

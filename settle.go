@@ -43,8 +43,11 @@ type heldKeyCtx struct{}
 // or closed (see decide), and at once if it has none.
 func (c *call) holdKey(resp *http.Response, final bool) *heldKey {
 	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode, shared: c.shared}
-	if !final {
+	switch {
+	case !final:
 		h.fate.Store(heldNotFinal)
+	case !c.shared:
+		h.owner.flights.hold(c.operation, h)
 	}
 	r := resp.Request // set by attempt if the base transport did not
 	resp.Request = r.WithContext(context.WithValue(r.Context(), heldKeyCtx{}, h))
@@ -75,11 +78,19 @@ func (h *heldKey) decide(delivered bool) {
 // failed or in progress. Otherwise it releases nothing and returns an
 // error that wraps [ErrNotFinal]: read the body to its end or close it
 // first, or, for an outcome that is not final, call the operation again.
-// The request that follows a redirect after another call of the operation
-// ran in between (see [WithOperation]) gets an outcome that is final for
-// its caller, but its key is the other call's: once the body has been read
-// to its end or closed, Settle returns nil and releases nothing, and the
-// key stays pending until the other call's outcome releases it.
+//
+// A call of the operation started since the call that returned resp (in
+// this process, among the Transports whose calls of the operation are kept
+// apart; see [WithOperation]) supersedes resp: it sent the key again, and
+// its caller, whose outcome need not be final, may need the key still.
+// Settle of a superseded response returns nil and releases nothing; the
+// later call's outcome, or its Settle, releases the key by these same
+// rules. The same holds for the response to the request that follows a
+// redirect after another call of the operation ran in between (see
+// WithOperation): its outcome is final for its caller, but the key is the
+// other call's, and once the body has been read to its end or closed,
+// Settle returns nil and releases nothing.
+//
 // A response of a call made without HoldKey, without an operation, or
 // through a RoundTripper other than a [Transport] holds no key for
 // Settle: the error wraps [ErrNotHeld].
@@ -130,15 +141,22 @@ func (h *heldKey) settle(ctx context.Context) error {
 		return fmt.Errorf("idemhttp: settling %q: %w", h.operation, err)
 	}
 	f := h.owner.flights
-	if _, err := f.start(h.operation); err != nil {
+	superseded, err := f.settle(h.operation, h)
+	if err != nil {
 		return err
 	}
 	defer f.end(h.operation)
+	if superseded {
+		// The key is the later call's to release, or already released.
+		h.settled = true
+		return nil
+	}
 	// Once begun, the release is waited for even if ctx ends: a store may
 	// forget the key at once and make that durable later (a FileKeyStore
 	// does), and an error returned meanwhile would say the key is pending
 	// while the next call of the operation takes a new one.
 	if err := h.owner.cfg.keyStore.Release(context.WithoutCancel(ctx), h.operation, h.key); err != nil {
+		f.hold(h.operation, h) // to be settled again
 		return fmt.Errorf("idemhttp: settling %q: %w", h.operation, err)
 	}
 	h.settled = true
