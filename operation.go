@@ -42,7 +42,8 @@ type operationKey struct{}
 // redirect was returned and before it is followed: the request that
 // follows is then refused if that call is still in flight, and otherwise
 // sent, but its outcome leaves the key pending, for the other call's
-// caller may still need it, and the next call gets the server's replay. A
+// caller may still need it, and the next call gets the server's replay
+// (with HoldKey, [Settle] of that outcome returns nil and releases nothing). A
 // body whose outcome may release the key keeps the operation in flight
 // until it is read to its end, fails or is closed, even once the call's
 // context has ended (a response abandoned when a timeout fires holds it
@@ -97,7 +98,8 @@ type heldOperation string
 // process or after a restart, sends the same key and gets the server's
 // replay. Once the program has kept the outcome, it calls [Settle] with
 // the response, which releases the key if, and only if, the Transport
-// would have released it.
+// would have released it, and no call of the operation has started since
+// (that call's caller may need the key still; see Settle).
 //
 // HoldKey is an option of the operation, not of the Transport, because the
 // code that settles is the code that makes the call: a Transport that held

@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 )
 
@@ -29,6 +30,10 @@ type flights struct {
 	mu   sync.Mutex
 	ops  map[string]flight
 	last uint64 // the number of the latest flight started
+	// held lists, by operation, the final outcomes of calls made with
+	// HoldKey whose keys await Settle and that no call of the operation
+	// started since. A call that starts supersedes them (see heldKey).
+	held map[string][]*heldKey
 }
 
 // flight is the mark of an operation's flight.
@@ -53,6 +58,41 @@ func (f *flights) start(operation string) (uint64, error) {
 	return f.startLocked(operation)
 }
 
+// settle marks operation as in flight for a Settle of h, as start does,
+// and reports whether a call of operation started since h's call, which
+// then supersedes it: that call sent the key again, and its caller, whose
+// outcome may not be final, may need it still.
+func (f *flights) settle(operation string, h *heldKey) (superseded bool, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, err := f.take(operation); err != nil {
+		return false, err
+	}
+	held := f.held[operation]
+	i := slices.Index(held, h)
+	if i < 0 {
+		return true, nil
+	}
+	if held = slices.Delete(held, i, i+1); len(held) == 0 {
+		delete(f.held, operation)
+	} else {
+		f.held[operation] = held
+	}
+	return false, nil
+}
+
+// hold notes h, the final outcome of a call of operation made with
+// HoldKey, whose flight the caller holds, until a Settle of it or the
+// operation's next call.
+func (f *flights) hold(operation string, h *heldKey) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.held == nil {
+		f.held = make(map[string][]*heldKey)
+	}
+	f.held[operation] = append(f.held[operation], h)
+}
+
 // follow starts operation's flight for the request that follows a
 // redirect, which flight number n handed on. It fails as start does, and
 // reports whether another flight of operation started after n was handed
@@ -65,7 +105,18 @@ func (f *flights) follow(operation string, n uint64) (m uint64, another bool, er
 	return m, !ok || prev.n != n, err
 }
 
+// startLocked starts a call's flight of operation, which supersedes the
+// outcomes awaiting Settle (see settle).
 func (f *flights) startLocked(operation string) (uint64, error) {
+	n, err := f.take(operation)
+	if err == nil {
+		delete(f.held, operation)
+	}
+	return n, err
+}
+
+// take marks operation as in flight, unless it already is.
+func (f *flights) take(operation string) (uint64, error) {
 	if f.ops[operation].held {
 		// Says what holds it: most often a response body not yet read
 		// or closed, which nothing else would point to.

@@ -25,6 +25,10 @@ type heldKey struct {
 	operation, key string
 	status         int
 	fate           atomic.Int32 // one of the held constants
+	// shared: another call of the operation sent the key in the gap
+	// before the redirect this call followed (see flights), and the key
+	// is that call's to release: Settle releases nothing.
+	shared bool
 
 	mu      sync.Mutex // serializes Settles of this response
 	settled bool       // a Settle released the key
@@ -38,9 +42,12 @@ type heldKeyCtx struct{}
 // outcome; if so, it is delivered once its body has been read to its end
 // or closed (see decide), and at once if it has none.
 func (c *call) holdKey(resp *http.Response, final bool) *heldKey {
-	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode}
-	if !final {
+	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode, shared: c.shared}
+	switch {
+	case !final:
 		h.fate.Store(heldNotFinal)
+	case !c.shared:
+		h.owner.flights.hold(c.operation, h)
 	}
 	r := resp.Request // set by attempt if the base transport did not
 	resp.Request = r.WithContext(context.WithValue(r.Context(), heldKeyCtx{}, h))
@@ -71,6 +78,19 @@ func (h *heldKey) decide(delivered bool) {
 // failed or in progress. Otherwise it releases nothing and returns an
 // error that wraps [ErrNotFinal]: read the body to its end or close it
 // first, or, for an outcome that is not final, call the operation again.
+//
+// A call of the operation started since the call that returned resp (in
+// this process, among the Transports whose calls of the operation are kept
+// apart; see [WithOperation]) supersedes resp: it sent the key again, and
+// its caller, whose outcome need not be final, may need the key still.
+// Settle of a superseded response returns nil and releases nothing; the
+// later call's outcome, or its Settle, releases the key by these same
+// rules. The same holds for the response to the request that follows a
+// redirect after another call of the operation ran in between (see
+// WithOperation): its outcome is final for its caller, but the key is the
+// other call's, and once the body has been read to its end or closed,
+// Settle returns nil and releases nothing.
+//
 // A response of a call made without HoldKey, without an operation, or
 // through a RoundTripper other than a [Transport] holds no key for
 // Settle: the error wraps [ErrNotHeld].
@@ -83,7 +103,10 @@ func (h *heldKey) decide(delivered bool) {
 // call of the operation is in flight, it fails with an error that wraps
 // [ErrOperationInFlight], and the key stays pending; settle again once
 // that call is through. The KeyStore's error, if any, is returned, and the
-// key stays pending. Once a Settle of resp has released the key, later
+// key stays pending. A Settle whose ctx has ended releases nothing and
+// returns ctx's error; once the release has begun, Settle waits for it to
+// finish even if ctx ends, as the Transport's own releases do, so that an
+// error always means the key is still pending. Once a Settle of resp has released the key, later
 // ones return nil and do nothing. Settle is safe for concurrent use.
 func Settle(ctx context.Context, resp *http.Response) error {
 	var h *heldKey
@@ -106,17 +129,34 @@ func (h *heldKey) settle(ctx context.Context) error {
 	default:
 		return fmt.Errorf("%w: %q: a %d is not the operation's final outcome", ErrNotFinal, h.operation, h.status)
 	}
+	if h.shared {
+		return nil
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.settled {
 		return nil
 	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("idemhttp: settling %q: %w", h.operation, err)
+	}
 	f := h.owner.flights
-	if _, err := f.start(h.operation); err != nil {
+	superseded, err := f.settle(h.operation, h)
+	if err != nil {
 		return err
 	}
 	defer f.end(h.operation)
-	if err := h.owner.cfg.keyStore.Release(ctx, h.operation, h.key); err != nil {
+	if superseded {
+		// The key is the later call's to release, or already released.
+		h.settled = true
+		return nil
+	}
+	// Once begun, the release is waited for even if ctx ends: a store may
+	// forget the key at once and make that durable later (a FileKeyStore
+	// does), and an error returned meanwhile would say the key is pending
+	// while the next call of the operation takes a new one.
+	if err := h.owner.cfg.keyStore.Release(context.WithoutCancel(ctx), h.operation, h.key); err != nil {
+		f.hold(h.operation, h) // to be settled again
 		return fmt.Errorf("idemhttp: settling %q: %w", h.operation, err)
 	}
 	h.settled = true

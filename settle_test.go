@@ -233,6 +233,20 @@ func TestSettleAgain(t *testing.T) {
 		require.ErrorIs(t, err, errReleaseFailed)
 		assert.Len(t, pendingKeys(t, store), 1)
 
+		store.fail.Store(false)
+		require.NoError(t, Settle(context.Background(), resp))
+		assert.Empty(t, pendingKeys(t, store))
+	})
+	t.Run("after the KeyStore failed and the operation was called again", func(t *testing.T) {
+		srv := newServer(t, status(201))
+		store := &flakyRelease{MemoryKeyStore: NewMemoryKeyStore()}
+		store.fail.Store(true)
+		tr := NewTransport(newBaseTransport(t), WithKeyStore(store))
+		resp, err := tr.RoundTrip(post(t, heldCtx(), srv.URL, "x"))
+		require.NoError(t, err)
+		readAll(t, resp)
+		require.ErrorIs(t, Settle(context.Background(), resp), errReleaseFailed)
+
 		// The failed Settle ended its flight: the operation can be called.
 		resp2, err := tr.RoundTrip(post(t, heldCtx(), srv.URL, "x"))
 		require.NoError(t, err)
@@ -241,8 +255,9 @@ func TestSettleAgain(t *testing.T) {
 
 		store.fail.Store(false)
 		require.NoError(t, Settle(context.Background(), resp))
+		assert.Len(t, pendingKeys(t, store), 1, "the call made since holds the key now")
+		require.NoError(t, Settle(context.Background(), resp2))
 		assert.Empty(t, pendingKeys(t, store))
-		require.NoError(t, Settle(context.Background(), resp2), "the same key, released already")
 	})
 }
 
@@ -368,8 +383,9 @@ func TestSettleAfterFollowedRedirects(t *testing.T) {
 				assert.Equal(t, int32(1), executions.Load(), "and gets the replay")
 
 				require.NoError(t, Settle(context.Background(), resp))
-				assert.Empty(t, pendingKeys(t, store), "released by Settle of the chain's last response")
+				assert.Len(t, pendingKeys(t, store), 1, "the call made since holds the key now")
 				require.NoError(t, Settle(context.Background(), again))
+				assert.Empty(t, pendingKeys(t, store), "released by Settle of the chain's last response")
 			})
 		}
 	}

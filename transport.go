@@ -6,9 +6,11 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptrace"
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/idemhttp/idemhttp/internal/sfv"
@@ -65,7 +67,10 @@ import (
 //
 // A 4xx that is not retried is final only for a key the server cannot have
 // acted on before: one sent for the first time, by the first attempt of
-// the call that recorded it. Once the key may have reached the server (an
+// the call that recorded it, and sent once: net/http sends a request that
+// carries an idempotency key again by itself, on a new connection, when a
+// reused one fails before the response, and the first send may have
+// reached the server. Once the key may have reached the server (an
 // earlier attempt of the call, or an earlier call that left it pending), a
 // 4xx keeps it pending unless the server marks the response as the replay
 // of the outcome it stored for the key (Idempotent-Replayed: true): a layer
@@ -266,6 +271,12 @@ type call struct {
 	// attempt: it was pending before the call, or the redirect this call
 	// follows answered a send of it that was not its first.
 	carried bool
+	// resent: the base transport sent an attempt that carried opKey more
+	// than once (net/http sends a request with an idempotency key again by
+	// itself, on a new connection, when a reused one fails before the
+	// response), so the key may have reached the server before the send
+	// that was answered.
+	resent bool
 	// hold: the operation was made with HoldKey, and its key is released
 	// by Settle, not by the call; held is the key as the response
 	// returned holds it for Settle.
@@ -334,15 +345,21 @@ func (c *call) run() (*http.Response, error) {
 // is released at once.
 func (c *call) deliver(n int, o outcome) *http.Response {
 	resp := o.resp
-	release := c.pending && !c.shared && finalStatus(resp.StatusCode, resp.Header)
-	if release && resp.StatusCode >= 400 && !c.fourXXSettles(n, resp.Header) {
-		release = false
+	final := c.pending && finalStatus(resp.StatusCode, resp.Header)
+	if final && resp.StatusCode >= 400 && !c.fourXXSettles(n, resp.Header) {
+		final = false
 	}
-	if c.pending && !release && followedRedirect(resp.StatusCode, resp.Header) {
+	if c.pending && !final && followedRedirect(resp.StatusCode, resp.Header) {
 		c.linkRedirect(resp, c.keySentBefore(n))
 	}
+	// A call that shares the key with another releases nothing: the key
+	// is the other call's (see flights).
+	release := final && !c.shared
 	if c.hold && c.pending {
-		c.held = c.holdKey(resp, release)
+		// A shared outcome is final all the same, and Settle must learn
+		// when it has been delivered, though it releases nothing then.
+		c.held = c.holdKey(resp, final)
+		release = final
 	}
 	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
@@ -404,7 +421,7 @@ func (c *call) fourXXSettles(n int, h http.Header) bool {
 // earlier call, which left it pending, or with an attempt that a redirect
 // this request follows answered when the key had been sent before it.
 func (c *call) keySentBefore(n int) bool {
-	return n > 1 || c.carried
+	return n > 1 || c.carried || c.resent
 }
 
 // replayed reports whether a response is the outcome a server stored for
@@ -757,10 +774,23 @@ func (c *call) attempt(n int) outcome {
 			getBody = watch.rewind
 		}
 	}
+	var sends *atomic.Int32
+	if c.pending && c.key == c.opKey && !c.keySentBefore(n) {
+		// Each send net/http makes gets a connection first: more than one
+		// means it sent the key again by itself (see resent).
+		sends = new(atomic.Int32)
+		o.ctx = httptrace.WithClientTrace(o.ctx, &httptrace.ClientTrace{
+			GotConn: func(httptrace.GotConnInfo) { sends.Add(1) },
+		})
+		ownCtx = true
+	}
 	r := c.attemptRequest(o.ctx, ownCtx)
 	r.Body, r.GetBody = body, getBody
 
 	o.resp, o.err = c.t.base.RoundTrip(r)
+	if sends != nil && sends.Load() > 1 {
+		c.resent = true
+	}
 	if watch != nil {
 		o.bodyRead = watch.read.Load()
 	}
