@@ -55,6 +55,12 @@ func getBuffers() *buffers { return bufferPool.Get().(*buffers) }
 
 // put returns b to the pool, without the buffers that grew too large.
 func (b *buffers) put() {
+	// A call that did not end with endCall (its store panicked) is ended
+	// here, and let go of if a store could still be watching it: its
+	// timer and its watch of its parent would end the next call.
+	if b.call != nil && !b.call.stop() {
+		b.call = nil
+	}
 	b.reqBody = reusable(b.reqBody)
 	b.fields = reusable(b.fields)
 	b.respBody = reusable(b.respBody)

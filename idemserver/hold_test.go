@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -375,4 +376,40 @@ func discardFirstCompletion(store holdingStore, key string) *bool {
 		return store.MemoryStore.Complete(ctx, k, token, resp, exp)
 	}
 	return discarded
+}
+
+// TestHoldingStoreFailedCompleteSendsNoSuccess has a store that holds
+// responses fail every Complete with an error it does not classify (a
+// commit cut off by its call's deadline, reported as the context's
+// error). Such a store kept nothing of the claim unless Complete
+// succeeded, so the handler's 201 must not reach the client: it would be
+// told of work that may have been discarded. It gets 503, and the claim
+// is not released, since the commit may have landed.
+func TestHoldingStoreFailedCompleteSendsNoSuccess(t *testing.T) {
+	for _, holder := range holders {
+		t.Run(holder.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				store, stub := holder.new()
+				calls := 0
+				stub.complete = func(context.Context, Key, string, *Response, time.Time) error {
+					calls++
+					return fmt.Errorf("commit: %w", context.DeadlineExceeded)
+				}
+				released := 0
+				stub.release = func(context.Context, Key, string) error { released++; return nil }
+				var events []Event
+				h := &countingHandler{}
+				w := serve(Middleware(store, WithObserver(func(e Event) { events = append(events, e) }))(h),
+					newRequest(http.MethodPost, "/x", "k", "b"))
+				assert.Equal(t, 3, calls, "a transient failure is tried again")
+				decodeProblem(t, w, ProblemStoreUnavailable, http.StatusServiceUnavailable)
+				assert.NotEmpty(t, w.Header().Get("Retry-After"))
+				assert.Empty(t, w.Header().Get("X-Call"), "none of the handler's response")
+				assert.Zero(t, released, "a commit that may have landed is not released")
+				require.Len(t, events, 1)
+				assert.Equal(t, OutcomeUnavailable, events[0].Outcome)
+				assert.ErrorIs(t, events[0].Err, context.DeadlineExceeded)
+			})
+		})
+	}
 }

@@ -134,8 +134,10 @@ import (
 // progress until its lease lapses, and then a retry runs the handler again.
 // The response is replaced by 503 with Retry-After only when nothing the
 // handler did was kept (a transactional store reports [ErrRolledBack]), or
-// may not have been ([ErrOutcomeUnknown]: the claim is not released, and
-// the retry learns from the store what was committed), or when the claim
+// may not have been ([ErrOutcomeUnknown], or any other failure but
+// [ErrLeaseLost] of a store that holds responses: the claim is not
+// released, and the retry learns from the store what was committed), or
+// when the claim
 // was lost and another request's outcome is what retries get (Complete
 // reports [ErrLeaseLost]; [ProblemLeaseLost]); a response that was already
 // streamed cannot be replaced. When the store reports [ErrRetryRequest]
@@ -640,10 +642,12 @@ func (m *handler) run(w http.ResponseWriter, r *http.Request, key Key, c Claim, 
 		m.replaceResponse(rec, ProblemStoreUnavailable,
 			"the outcome could not be kept and was rolled back; the request was not processed")
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: claim.Evictions})
-	case !rec.streaming && errors.Is(err, ErrOutcomeUnknown):
+	case !rec.streaming && (errors.Is(err, ErrOutcomeUnknown) || hold && err != nil && !errors.Is(err, ErrLeaseLost)):
 		// No one can tell yet whether the handler's work was kept: the
 		// client must not take its response as the outcome, and the claim
-		// is not released; the retry learns from the store.
+		// is not released; the retry learns from the store. A store that
+		// holds responses keeps nothing of the claim unless Complete
+		// succeeds, so any failure it does not classify is this case too.
 		m.replaceResponse(rec, ProblemStoreUnavailable,
 			"whether the outcome was kept is not known; retry the same request to learn it")
 		m.observe(Event{Request: r, Key: key, Outcome: OutcomeUnavailable, Status: http.StatusServiceUnavailable, Err: err, Evictions: claim.Evictions})

@@ -259,7 +259,11 @@ type Response struct {
 // larger than [WithMaxResponseBytes] is held in memory whole (and stored
 // without its body) instead of being streamed, and an informational (1xx)
 // response, such as 103 Early Hints, is dropped rather than sent ahead of
-// the final one. The middleware asks once, when it is created.
+// the final one. Since such a store keeps nothing unless Complete
+// succeeds, a Complete that fails with an error wrapping none of
+// [ErrLeaseLost], [ErrRolledBack] and [ErrRetryRequest] is answered as
+// one that reports [ErrOutcomeUnknown] is: 503, and the claim is not
+// released. The middleware asks once, when it is created.
 //
 // A store that wraps another hides this interface unless it defines
 // HoldResponses too, so a store whose claims must be held says so on each

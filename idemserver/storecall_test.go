@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -87,4 +88,43 @@ func concurrentlyN(n int, f func(i int)) {
 		}()
 	}
 	wg.Wait()
+}
+
+// TestStoreCallContextAfterStorePanic has a store watch a claim's context
+// and then panic, so that the call never ends normally. Its context, whose
+// timer still runs, must not be used for a later call: that call would end
+// at the panicked call's deadline, and a Complete ended early is a
+// response that may go unstored, and run again.
+func TestStoreCallContextAfterStorePanic(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := newStubStore()
+		defer store.MemoryStore.Close()
+		panicking := false
+		var errs []error
+		store.claim = func(ctx context.Context, c Claim) (ClaimResult, error) {
+			if panicking {
+				_ = ctx.Done() // watched, as a store waiting on a connection does
+				panic("store bug")
+			}
+			time.Sleep(600 * time.Millisecond) // past the panicked call's deadline, within its own
+			errs = append(errs, ctx.Err())
+			return store.MemoryStore.Claim(ctx, c)
+		}
+		h := &countingHandler{}
+		mw := Middleware(store, WithStoreTimeout(time.Second))(h)
+		for i := range 20 {
+			panicking = true
+			func() {
+				defer func() { _ = recover() }()
+				serve(mw, newRequest(http.MethodPost, "/x", fmt.Sprintf("p%d", i), "b"))
+			}()
+			time.Sleep(500 * time.Millisecond)
+			panicking = false
+			w := serve(mw, newRequest(http.MethodPost, "/x", fmt.Sprintf("k%d", i), "b"))
+			assert.Equal(t, http.StatusCreated, w.Code)
+		}
+		for i, err := range errs {
+			assert.NoError(t, err, "claim %d", i)
+		}
+	})
 }
