@@ -191,6 +191,11 @@ type harness struct {
 	packed idemserver.PackedStore
 	// refs maps the token of each packed claim won to its Ref.
 	refs *sync.Map
+	// packs maps each response the harness completed with to its packed
+	// form, made once: a header map is walked in another order each time,
+	// and a completion sent again carries the same bytes, as the
+	// middleware's does.
+	packs *sync.Map
 }
 
 // newHarness returns a harness on s; with packed, s is a PackedStore and
@@ -198,7 +203,7 @@ type harness struct {
 func newHarness(t *testing.T, s idemserver.Store, tx, packed bool) *harness {
 	holder, ok := s.(idemserver.ResponseHolder)
 	hold := tx || ok && holder.HoldResponses()
-	h := &harness{t: t, s: s, tokens: new(atomic.Int64), tx: tx, hold: hold, refs: new(sync.Map)}
+	h := &harness{t: t, s: s, tokens: new(atomic.Int64), tx: tx, hold: hold, refs: new(sync.Map), packs: new(sync.Map)}
 	if packed {
 		h.packed = s.(idemserver.PackedStore)
 	}
@@ -267,8 +272,18 @@ func (h *harness) completeOf(ctx context.Context, l lease, resp *idemserver.Resp
 	}
 	return h.packed.CompletePacked(ctx, idemserver.PackedCompletion{
 		Key: l.c.Key, Token: l.c.Token, Ref: l.ref,
-		Response: idemserver.PackResponse(resp), Now: time.Now(), Expires: expires,
+		Response: h.pack(resp), Now: time.Now(), Expires: expires,
 	})
+}
+
+// pack returns resp packed, the same bytes each time it is asked for the
+// same response.
+func (h *harness) pack(resp *idemserver.Response) idemserver.PackedResponse {
+	if p, ok := h.packs.Load(resp); ok {
+		return p.(idemserver.PackedResponse)
+	}
+	p, _ := h.packs.LoadOrStore(resp, idemserver.PackResponse(resp))
+	return p.(idemserver.PackedResponse)
 }
 
 // fp returns a fingerprint named by s.
