@@ -51,7 +51,12 @@
 // idemchaos exits with status 1, naming the operations, if there are
 // duplicates, lost operations or wrong answers (during the run or at its
 // end), or operations the client never saw succeed; with status 2 if the
-// scenario could not be run.
+// scenario could not be run, or if it ran but made fewer client kills or
+// server restarts than asked (each is due once a share of the operations
+// is done, only while some are left and after progress since the last
+// one, so a short run can end first): a line "INCOMPLETE: asked for ...,
+// made ..." then says so, in place of the PASS line, since such a run
+// proves nothing about the kills it did not make.
 //
 // Each run with PostgreSQL works in a schema of its own, and with Redis
 // under a key prefix of its own; both are named in the report and removed
@@ -102,6 +107,9 @@ const (
 const (
 	exitFailed = 1 // duplicates, lost or unfinished operations
 	exitError  = 2 // the scenario could not be run
+	// exitIncomplete: the scenario ran, but made fewer client kills or
+	// server restarts than asked, so it proves less than it claims.
+	exitIncomplete = 2
 )
 
 func main() {

@@ -181,6 +181,33 @@ func (r *report) failed() bool {
 		len(r.end.wrong) > 0
 }
 
+// incomplete reports whether the run made fewer client kills or server
+// restarts than asked: it then proves nothing about the ones it did not
+// make, whatever its ledger shows.
+func (r *report) incomplete() bool {
+	return r.clientKills < r.scenario.clientKills || r.serverRestarts < r.scenario.serverRestarts
+}
+
+// status returns the run's exit status: a failure first, since a run cut
+// short does not excuse a duplicate, then a run that fell short.
+func (r *report) status() int {
+	switch {
+	case r.failed():
+		return exitFailed
+	case r.incomplete():
+		return exitIncomplete
+	}
+	return 0
+}
+
+// plural returns "n what", with an s when n is not 1.
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
+}
+
 func (r *report) print(w io.Writer) {
 	sc := r.scenario
 	p := r.proxy
@@ -248,9 +275,16 @@ func (r *report) print(w io.Writer) {
 			"keep the outcome or the claim's lease was lost; lease mode allows them, and the provider "+
 			"did not charge again\n", r.unsettledRuns)
 	}
-	if r.failed() {
+	if r.incomplete() {
+		fmt.Fprintf(w, "INCOMPLETE: asked for %s and %s, made %s and %s (no proof through the kills "+
+			"asked for)\n",
+			plural(sc.clientKills, "client kill"), plural(sc.serverRestarts, "server restart"),
+			plural(r.clientKills, "client kill"), plural(r.serverRestarts, "server restart"))
+	}
+	switch {
+	case r.failed():
 		fmt.Fprintln(w, "FAIL")
-	} else {
+	case !r.incomplete():
 		fmt.Fprintln(w, "PASS: every operation took effect exactly once")
 	}
 }

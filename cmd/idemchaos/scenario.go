@@ -78,10 +78,7 @@ func runScenario(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		return exitError
 	}
 	rep.print(stdout)
-	if rep.failed() {
-		return exitFailed
-	}
-	return 0
+	return rep.status()
 }
 
 func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
@@ -254,8 +251,8 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 	}
 	rep = &report{scenario: sc}
 	rng := rand.New(rand.NewPCG(uint64(sc.seed), 0x6b696c6c73))
-	killAt := moments(rng, sc.clientKills, sc.ops)
-	restartAt := moments(rng, sc.serverRestarts, sc.ops)
+	killAt := newSchedule(moments(rng, sc.clientKills, sc.ops), sc.ops)
+	restartAt := newSchedule(moments(rng, sc.serverRestarts, sc.ops), sc.ops)
 	progress := &doneTail{path: f.clientLog, done: make(map[string]bool)}
 
 	client, err := sc.start(roleClient, clientArgs, nil, nil)
@@ -283,8 +280,9 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 		if err := progress.read(); err != nil {
 			return nil, err
 		}
-		if len(restartAt) > 0 && len(progress.done) >= restartAt[0] {
-			restartAt = restartAt[1:]
+		done := len(progress.done)
+		if restartAt.due(done) {
+			restartAt.made(done)
 			sc.awaitEffect(ctx, f.ledger)
 			server.kill()
 			rep.serverRestarts++
@@ -292,10 +290,10 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 				return nil, err
 			}
 		}
-		if len(killAt) > 0 && len(progress.done) >= killAt[0] {
-			killAt = killAt[1:]
+		if killAt.due(done) {
 			sleepRandom(ctx, rng) // land at any moment of an operation
 			if client.kill() {    // not if it finished in the meantime
+				killAt.made(done)
 				rep.clientKills++
 				if client, err = sc.start(roleClient, clientArgs, nil, nil); err != nil {
 					return nil, err
@@ -353,6 +351,33 @@ func moments(rng *rand.Rand, n, ops int) []int {
 	}
 	slices.Sort(at)
 	return at
+}
+
+// schedule is when the kills of one kind are due, by the progress of the
+// run: the count of operations the client log records done.
+type schedule struct {
+	at   []int // the moments left, sorted
+	ops  int   // operations in the scenario
+	last int   // operations done at the last kill; -1 before the first
+}
+
+func newSchedule(at []int, ops int) *schedule {
+	return &schedule{at: at, ops: ops, last: -1}
+}
+
+// due reports whether a kill is due with done operations done: its moment
+// has come, some operation has been recorded done since the last kill (so
+// that the process started after it has worked, rather than being killed
+// as it starts, which proves nothing), and some operation is left (so
+// that the kill lands while there is work to lose).
+func (s *schedule) due(done int) bool {
+	return len(s.at) > 0 && done >= s.at[0] && done > s.last && done < s.ops
+}
+
+// made records the kill made with done operations done.
+func (s *schedule) made(done int) {
+	s.at = s.at[1:]
+	s.last = done
 }
 
 // sleepRandom waits up to 10ms, so that a kill lands anywhere in an
