@@ -67,6 +67,10 @@ func TestShortScenario(t *testing.T) {
 	assert.Equal(t, 80, count(t, report, "replays checked at the end"))
 	assert.Equal(t, 0, count(t, report, "wrong answers at the end"))
 	assert.Equal(t, 0, count(t, report, "run again at the end"))
+	// Every 201 whose body was cut was followed by a call under the same
+	// key, answered by a replay.
+	assert.Equal(t, 0, count(t, report, "new keys after cut bodies"))
+	assert.Equal(t, count(t, report, "cut bodies called again"), count(t, report, "replays after cut bodies"))
 	assert.Contains(t, report, "PASS: every operation took effect exactly once")
 
 	// The ledger, kept by the server children, holds each operation once.
@@ -487,4 +491,21 @@ func TestReportIncomplete(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestEarlyReleaseCaught runs the scenario with a client that releases an
+// operation's key as soon as the header of a 2xx has arrived, before the
+// body was read to its end. Only a response whose body is cut in transit,
+// after the server stored its outcome, shows that: the client must call
+// the operation again, and its key must still be pending so that the call
+// is answered by a replay. With the key released the call goes out with a
+// new key and pays again, and idemchaos must say so.
+func TestEarlyReleaseCaught(t *testing.T) {
+	status, report := chaos(t, "-"+unsafeReleaseOnHeadersFlag, "-ops", "150", "-workers", "8",
+		"-client-kills", "0", "-faults", "0.5", "-seed", "13")
+	assert.Equal(t, exitFailed, status)
+	assert.Positive(t, count(t, report, "duplicates"))
+	assert.Equal(t, 0, count(t, report, "lost"))
+	assert.Regexp(t, `(?m)^duplicated operations: op-\d+ \(2 executions\)`, report)
+	assert.Contains(t, report, "FAIL")
 }

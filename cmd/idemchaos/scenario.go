@@ -33,12 +33,16 @@ import (
 // the middleware's retention, so that a short one forgets outcomes early.
 // unsafeForgetKeysFlag breaks the client instead: it keeps its pending
 // keys in memory, so that a killed client's successor sends the payments
-// in flight again with new keys.
+// in flight again with new keys. unsafeReleaseOnHeadersFlag breaks the
+// client too: it releases an operation's key as soon as the header of a
+// final 2xx has arrived, before its body was read, so that a body cut in
+// transit leaves the operation to be called again with a new key.
 const (
-	unsafeFlag           = "unsafe-no-middleware"
-	unsafeEffectFlag     = "unsafe-effect"
-	unsafeTTLFlag        = "unsafe-ttl"
-	unsafeForgetKeysFlag = "unsafe-forget-keys"
+	unsafeFlag                 = "unsafe-no-middleware"
+	unsafeEffectFlag           = "unsafe-effect"
+	unsafeTTLFlag              = "unsafe-ttl"
+	unsafeForgetKeysFlag       = "unsafe-forget-keys"
+	unsafeReleaseOnHeadersFlag = "unsafe-release-on-headers"
 )
 
 // scenario is what a run does, from the flags.
@@ -55,6 +59,7 @@ type scenario struct {
 	unsafeEffect    bool
 	unsafeTTL       time.Duration
 	forgetKeys      bool
+	releaseEarly    bool
 	self            string // this program's executable
 	stderr          io.Writer
 	pollEvery       time.Duration
@@ -108,6 +113,8 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 		"the handler's effect is not deduplicated downstream nor in the claim's transaction")
 	fs.DurationVar(&sc.unsafeTTL, unsafeTTLFlag, 0, "the middleware's retention of outcomes (0: its default)")
 	fs.BoolVar(&sc.forgetKeys, unsafeForgetKeysFlag, false, "the client keeps its pending keys in memory (a broken client)")
+	fs.BoolVar(&sc.releaseEarly, unsafeReleaseOnHeadersFlag, false,
+		"the client releases a key on the header of a 2xx, before its body was read (a broken client)")
 	fs.Usage = func() {
 		shown := flag.NewFlagSet("idemchaos", flag.ContinueOnError)
 		shown.SetOutput(stderr)
@@ -160,11 +167,16 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 }
 
 // proxyFaults spreads a share p of faulted requests over the kinds of
-// fault, and delays another share p of requests by up to 20ms.
+// fault, and delays another share p of requests by up to 20ms. A tenth of
+// the faulted requests have their response's body cut after the server
+// stored the outcome: the client has a 201 it cannot read to the end, and
+// only a client that still holds the key gets the answer replayed rather
+// than paying again.
 func proxyFaults(p float64) idemtest.Faults {
 	return idemtest.Faults{
 		ResetBefore:     0.25 * p,
-		LoseResponse:    0.3 * p,
+		LoseResponse:    0.2 * p,
+		CutBody:         0.1 * p,
 		Unavailable:     0.2 * p,
 		TooManyRequests: 0.15 * p,
 		Stall:           0.1 * p,
@@ -248,6 +260,9 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 		"-ops", strconv.Itoa(sc.ops), "-workers", strconv.Itoa(sc.workers)}
 	if sc.forgetKeys {
 		clientArgs = append(clientArgs, "-"+unsafeForgetKeysFlag)
+	}
+	if sc.releaseEarly {
+		clientArgs = append(clientArgs, "-"+unsafeReleaseOnHeadersFlag)
 	}
 	rep = &report{scenario: sc}
 	rng := rand.New(rand.NewPCG(uint64(sc.seed), 0x6b696c6c73))

@@ -52,6 +52,7 @@ func TestServerRestarts(t *testing.T) {
 			assert.Equal(t, 120, count(t, report, "operations"))
 			assert.Equal(t, 2, count(t, report, "server restarts"))
 			assert.Equal(t, 1, count(t, report, "client kills"))
+			assert.Equal(t, 0, count(t, report, "new keys after cut bodies"))
 			assert.Contains(t, report, "PASS: every operation took effect exactly once")
 			assertSpaceRemoved(t, s.name, report)
 		})
