@@ -507,12 +507,13 @@ func (c *child) stop() error {
 }
 
 // doneTail follows the client log as it grows and collects the operations
-// recorded done.
+// recorded done. It moves past whole lines only, and reads a line without
+// its newline again the next time: a worker that starts after one was torn
+// cuts it off (see openLineLog) and writes its own lines in its place.
 type doneTail struct {
-	path    string
-	off     int64
-	partial []byte
-	done    map[string]bool
+	path string
+	off  int64 // the end of the last whole line read
+	done map[string]bool
 }
 
 func (t *doneTail) read() error {
@@ -528,8 +529,6 @@ func (t *doneTail) read() error {
 	if err != nil {
 		return err
 	}
-	t.off += int64(len(data))
-	data = append(t.partial, data...)
 	for {
 		i := slices.Index(data, '\n')
 		if i < 0 {
@@ -540,8 +539,8 @@ func (t *doneTail) read() error {
 			t.done[op] = true
 		}
 		data = data[i+1:]
+		t.off += int64(i) + 1
 	}
-	t.partial = slices.Clone(data)
 	return nil
 }
 
