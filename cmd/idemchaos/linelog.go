@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"strings"
 	"sync"
@@ -17,12 +18,52 @@ type lineLog struct {
 	f  *os.File
 }
 
+// openLineLog opens the log at path for appending, creating it if need be.
+// A last line without its newline was torn (a write cut short, or a crash
+// between the write and the fsync on power loss): readers count it absent,
+// and it is cut off here, so that the lines appended next do not glue onto
+// it and make a line that no writer wrote.
 func openLineLog(path string) (*lineLog, error) {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_APPEND|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, err
 	}
+	if err := cutTornLine(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%s: cutting its torn last line: %w", path, err)
+	}
 	return &lineLog{f: f}, nil
+}
+
+// cutTornLine truncates f after its last newline, if anything follows it,
+// and makes the truncation durable before anything is appended.
+func cutTornLine(f *os.File) error {
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	size := fi.Size()
+	// Read backwards, a block at a time, until a newline or the start.
+	var buf [4096]byte
+	end := size
+	for end > 0 {
+		n := min(end, int64(len(buf)))
+		if _, err := f.ReadAt(buf[:n], end-n); err != nil {
+			return err
+		}
+		if i := bytes.LastIndexByte(buf[:n], '\n'); i >= 0 {
+			end = end - n + int64(i) + 1
+			break
+		}
+		end -= n
+	}
+	if end == size {
+		return nil
+	}
+	if err := f.Truncate(end); err != nil {
+		return err
+	}
+	return f.Sync()
 }
 
 // append writes the fields as one line, and fsyncs it if durable.

@@ -7,8 +7,13 @@
 // idemserver.Middleware and a client worker that makes the payments through
 // idemhttp with a FileKeyStore, each named with idemhttp.WithOperation.
 // Between them runs an idemtest.Proxy that resets connections, drops
-// responses after the server acted, answers 503 and 429, delays and stalls
-// requests. During the run the client is killed with SIGKILL at random
+// responses after the server acted, cuts the body of some of them after
+// the server stored the outcome, answers 503 and 429, delays and stalls
+// requests. A 201 whose body the worker cannot read to its end must leave
+// the operation's key pending (the Transport releases it only once the
+// body is read to EOF): the worker calls the operation again at once and
+// must be answered under the same key, by a replay; a new key there means
+// the key was released on the header, and the call pays again. During the run the client is killed with SIGKILL at random
 // moments and started again; each new worker first drives every operation
 // its key store has pending to a final outcome, then makes the payments not
 // yet made. The worker records each payment it saw succeed (fsynced) before
@@ -41,17 +46,22 @@
 // must be answered 201 with its receipt; one answered by a run of the
 // handler rather than a replay had its outcome forgotten, unless the ledger
 // shows a run that lease mode allows (see replaycheck.go). The report has
-// lines that read "duplicates: N", "lost: N", "wrong answers: N" and "wrong
-// answers at the end: N", and counts the attempts (requests that reached
+// lines that read "duplicates: N", "lost: N", "wrong answers: N", "wrong
+// answers at the end: N" and "new keys after cut bodies: N", and counts the attempts (requests that reached
 // the proxy), the retries (attempts beyond one per operation), the replays served
 // (responses marked Idempotent-Replayed that passed the proxy, including
 // those it then dropped), the faults injected, the re-executions after
 // server kills (lease mode) or the handler runs rolled back (postgres-tx),
 // the client kills, the server restarts, the seed and the wall time.
 // idemchaos exits with status 1, naming the operations, if there are
-// duplicates, lost operations or wrong answers (during the run or at its
-// end), or operations the client never saw succeed; with status 2 if the
-// scenario could not be run.
+// duplicates, lost operations, wrong answers (during the run or at its
+// end) or new keys after cut bodies, or operations the client never saw succeed; with status 2 if the
+// scenario could not be run, or if it ran but made fewer client kills or
+// server restarts than asked (each is due once a share of the operations
+// is done, only while some are left and after progress since the last
+// one, so a short run can end first): a line "INCOMPLETE: asked for ...,
+// made ..." then says so, in place of the PASS line, since such a run
+// proves nothing about the kills it did not make.
 //
 // Each run with PostgreSQL works in a schema of its own, and with Redis
 // under a key prefix of its own; both are named in the report and removed
@@ -102,6 +112,9 @@ const (
 const (
 	exitFailed = 1 // duplicates, lost or unfinished operations
 	exitError  = 2 // the scenario could not be run
+	// exitIncomplete: the scenario ran, but made fewer client kills or
+	// server restarts than asked, so it proves less than it claims.
+	exitIncomplete = 2
 )
 
 func main() {

@@ -67,6 +67,10 @@ func TestShortScenario(t *testing.T) {
 	assert.Equal(t, 80, count(t, report, "replays checked at the end"))
 	assert.Equal(t, 0, count(t, report, "wrong answers at the end"))
 	assert.Equal(t, 0, count(t, report, "run again at the end"))
+	// Every 201 whose body was cut was followed by a call under the same
+	// key, answered by a replay.
+	assert.Equal(t, 0, count(t, report, "new keys after cut bodies"))
+	assert.Equal(t, count(t, report, "cut bodies called again"), count(t, report, "replays after cut bodies"))
 	assert.Contains(t, report, "PASS: every operation took effect exactly once")
 
 	// The ledger, kept by the server children, holds each operation once.
@@ -436,5 +440,75 @@ func TestForgetfulClientCaught(t *testing.T) {
 	assert.Equal(t, 2, count(t, report, "client kills"))
 	assert.Positive(t, count(t, report, "duplicates"))
 	assert.Regexp(t, `(?m)^duplicated operations: op-\d\d \([2-9] executions\)`, report)
+	assert.Contains(t, report, "FAIL")
+}
+
+// TestTooFewKillsIncomplete runs a scenario that cannot make the client
+// kills it asks for: one operation is done before the second kill could
+// land on a worker that has made progress since the first. The run proves
+// nothing about kills it did not make, so it must not pass: it reports
+// INCOMPLETE, naming what was asked and what was done, and exits with
+// exitIncomplete rather than 0 (or exitFailed, which is for duplicates and
+// lost payments).
+func TestTooFewKillsIncomplete(t *testing.T) {
+	status, report := chaos(t, "-ops", "1", "-workers", "1", "-client-kills", "2", "-faults", "0", "-seed", "9")
+	assert.Equal(t, exitIncomplete, status)
+	assert.Less(t, count(t, report, "client kills"), 2)
+	assert.Equal(t, 0, count(t, report, "duplicates"))
+	assert.Equal(t, 0, count(t, report, "lost"))
+	assert.Regexp(t, `(?m)^INCOMPLETE: asked for 2 client kills and 0 server restarts, made [01] client kills? and 0 server restarts`, report)
+	assert.NotContains(t, report, "PASS")
+}
+
+// TestReportIncomplete checks the verdict on runs that made fewer kills or
+// restarts than asked: INCOMPLETE with exitIncomplete, unless the run
+// failed, which a shortfall does not hide.
+func TestReportIncomplete(t *testing.T) {
+	for _, tt := range []struct {
+		name                       string
+		kills, restarts, made, ran int
+		lost                       []string
+		status                     int
+		line                       string
+	}{
+		{"all made", 2, 2, 2, 2, nil, 0, "PASS: every operation took effect exactly once"},
+		{"more made", 1, 0, 3, 0, nil, 0, "PASS: every operation took effect exactly once"},
+		{"kills short", 2, 2, 1, 2, nil, exitIncomplete,
+			"INCOMPLETE: asked for 2 client kills and 2 server restarts, made 1 client kill and 2 server restarts"},
+		{"restarts short", 2, 2, 2, 0, nil, exitIncomplete,
+			"INCOMPLETE: asked for 2 client kills and 2 server restarts, made 2 client kills and 0 server restarts"},
+		{"short and failed", 2, 2, 0, 0, []string{"op-1"}, exitFailed, "FAIL"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := &report{scenario: &scenario{ops: 1, clientKills: tt.kills, serverRestarts: tt.restarts},
+				clientKills: tt.made, serverRestarts: tt.ran, lost: tt.lost}
+			var out bytes.Buffer
+			r.print(&out)
+			assert.Equal(t, tt.status, r.status())
+			assert.Contains(t, out.String(), tt.line)
+			if tt.status == exitFailed {
+				assert.Contains(t, out.String(), "INCOMPLETE: asked for 2 client kills and 2 server restarts, made 0 client kills and 0 server restarts")
+			}
+		})
+	}
+}
+
+// TestEarlyReleaseCaught runs the scenario with a client that releases an
+// operation's key as soon as the header of a 2xx has arrived, before the
+// body was read to its end. Only a response whose body is cut in transit,
+// after the server stored its outcome, shows that: the client must call
+// the operation again, and its key must still be pending so that the call
+// is answered by a replay. With the key released the call goes out with a
+// new key and pays again, and idemchaos must say so.
+func TestEarlyReleaseCaught(t *testing.T) {
+	status, report := chaos(t, "-"+unsafeReleaseOnHeadersFlag, "-ops", "150", "-workers", "8",
+		"-client-kills", "0", "-faults", "0.5", "-seed", "13")
+	assert.Equal(t, exitFailed, status)
+	assert.Positive(t, count(t, report, "duplicates"))
+	assert.Equal(t, 0, count(t, report, "lost"))
+	// An operation whose second answer was cut too is paid a third time.
+	assert.Regexp(t, `(?m)^duplicated operations: op-\d+ \([2-9] executions\)`, report)
+	assert.Positive(t, count(t, report, "new keys after cut bodies"))
+	assert.Regexp(t, `(?m)^operations called again with a new key after a cut body .*: op-\d+`, report)
 	assert.Contains(t, report, "FAIL")
 }

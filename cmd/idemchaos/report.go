@@ -45,6 +45,13 @@ type report struct {
 	// transaction never committed (the server was killed inside it).
 	rolledBack      int
 	replaysReceived int
+	// cuts counts the 201s whose body the client could not read to its
+	// end, each followed by a call of the operation again; cutReplays the
+	// answers to those calls marked as replays. newKeyAfterCut lists the
+	// operations answered, after a cut, under another key than the cut
+	// response's: the client released the key before it had read the body.
+	cuts, cutReplays int
+	newKeyAfterCut   []string
 	// end is the check that sends every operation again at the end of the
 	// run, with the key it completed with (see replaycheck.go).
 	end endCheck
@@ -131,13 +138,27 @@ func (r *report) read(f files, payments []entry) error {
 		return err
 	}
 	done := make(map[string]bool)
+	cutKey := make(map[string]string) // of each operation's last cut response
 	for _, l := range log {
-		if l[0] == "wrong" && len(l) == 2 {
+		switch {
+		case l[0] == "wrong" && len(l) == 2:
 			r.wrong = append(r.wrong, l[1])
 			continue
-		}
-		if l[0] != "done" || len(l) < 4 {
+		case l[0] == "cut" && len(l) == 3:
+			r.cuts++
+			cutKey[l[1]] = l[2]
+			continue
+		case l[0] != "done" || len(l) < 4:
 			return fmt.Errorf("client log: unexpected line %q", strings.Join(l, " "))
+		}
+		if k, ok := cutKey[l[1]]; ok {
+			delete(cutKey, l[1])
+			if l[3] == "true" {
+				r.cutReplays++
+			}
+			if len(l) < 5 || l[4] != k {
+				r.newKeyAfterCut = append(r.newKeyAfterCut, l[1])
+			}
 		}
 		done[l[1]] = true
 		if l[2] != "201" {
@@ -172,13 +193,42 @@ func (r *report) read(f files, payments []entry) error {
 	slices.Sort(r.refused)
 	slices.Sort(r.wrong)
 	r.wrong = slices.Compact(r.wrong)
+	slices.Sort(r.newKeyAfterCut)
+	r.newKeyAfterCut = slices.Compact(r.newKeyAfterCut)
 	return nil
 }
 
 // failed reports whether the run broke the promise or did not finish.
 func (r *report) failed() bool {
 	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.wrong)+len(r.strangers)+
-		len(r.end.wrong) > 0
+		len(r.end.wrong)+len(r.newKeyAfterCut) > 0
+}
+
+// incomplete reports whether the run made fewer client kills or server
+// restarts than asked: it then proves nothing about the ones it did not
+// make, whatever its ledger shows.
+func (r *report) incomplete() bool {
+	return r.clientKills < r.scenario.clientKills || r.serverRestarts < r.scenario.serverRestarts
+}
+
+// status returns the run's exit status: a failure first, since a run cut
+// short does not excuse a duplicate, then a run that fell short.
+func (r *report) status() int {
+	switch {
+	case r.failed():
+		return exitFailed
+	case r.incomplete():
+		return exitIncomplete
+	}
+	return 0
+}
+
+// plural returns "n what", with an s when n is not 1.
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
 }
 
 func (r *report) print(w io.Writer) {
@@ -197,8 +247,12 @@ func (r *report) print(w io.Writer) {
 	fmt.Fprintf(w, "retries: %d\n", p.Requests-sc.ops)
 	fmt.Fprintf(w, "replays served: %d\n", p.Replayed)
 	fmt.Fprintf(w, "replays received: %d\n", r.replaysReceived)
-	fmt.Fprintf(w, "faults injected: %d resets before the server, %d responses lost, %d 503, %d 429, %d stalls; %d delayed\n",
-		p.ResetBefore, p.LostResponses, p.Unavailable, p.TooManyRequests, p.Stalled, p.Delayed)
+	fmt.Fprintf(w, "faults injected: %d resets before the server, %d responses lost, %d bodies cut, %d 503, %d 429, "+
+		"%d stalls; %d delayed\n",
+		p.ResetBefore, p.LostResponses, p.CutBodies, p.Unavailable, p.TooManyRequests, p.Stalled, p.Delayed)
+	fmt.Fprintf(w, "cut bodies called again: %d\n", r.cuts)
+	fmt.Fprintf(w, "replays after cut bodies: %d\n", r.cutReplays)
+	fmt.Fprintf(w, "new keys after cut bodies: %d\n", len(r.newKeyAfterCut))
 	fmt.Fprintf(w, "duplicates: %d\n", len(r.duplicated))
 	fmt.Fprintf(w, "lost: %d\n", len(r.lost))
 	fmt.Fprintf(w, "wrong answers: %d\n", len(r.wrong))
@@ -229,6 +283,8 @@ func (r *report) print(w io.Writer) {
 		{"unfinished operations (never recorded done by the client)", r.unfinished},
 		{"operations refused (final status other than 201)", r.refused},
 		{"operations answered 201 with a body other than their receipt", r.wrong},
+		{"operations called again with a new key after a cut body (the key was released before the body was read)",
+			r.newKeyAfterCut},
 		{"executed operations not in the scenario", r.strangers},
 		{"operations answered other than 201 with their receipt when sent again at the end", r.end.wrong},
 		{"operations whose handler ran again when sent again at the end", r.end.ranAgain},
@@ -248,9 +304,16 @@ func (r *report) print(w io.Writer) {
 			"keep the outcome or the claim's lease was lost; lease mode allows them, and the provider "+
 			"did not charge again\n", r.unsettledRuns)
 	}
-	if r.failed() {
+	if r.incomplete() {
+		fmt.Fprintf(w, "INCOMPLETE: asked for %s and %s, made %s and %s (no proof through the kills "+
+			"asked for)\n",
+			plural(sc.clientKills, "client kill"), plural(sc.serverRestarts, "server restart"),
+			plural(r.clientKills, "client kill"), plural(r.serverRestarts, "server restart"))
+	}
+	switch {
+	case r.failed():
 		fmt.Fprintln(w, "FAIL")
-	} else {
+	case !r.incomplete():
 		fmt.Fprintln(w, "PASS: every operation took effect exactly once")
 	}
 }

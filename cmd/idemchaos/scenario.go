@@ -33,12 +33,16 @@ import (
 // the middleware's retention, so that a short one forgets outcomes early.
 // unsafeForgetKeysFlag breaks the client instead: it keeps its pending
 // keys in memory, so that a killed client's successor sends the payments
-// in flight again with new keys.
+// in flight again with new keys. unsafeReleaseOnHeadersFlag breaks the
+// client too: it releases an operation's key as soon as the header of a
+// final 2xx has arrived, before its body was read, so that a body cut in
+// transit leaves the operation to be called again with a new key.
 const (
-	unsafeFlag           = "unsafe-no-middleware"
-	unsafeEffectFlag     = "unsafe-effect"
-	unsafeTTLFlag        = "unsafe-ttl"
-	unsafeForgetKeysFlag = "unsafe-forget-keys"
+	unsafeFlag                 = "unsafe-no-middleware"
+	unsafeEffectFlag           = "unsafe-effect"
+	unsafeTTLFlag              = "unsafe-ttl"
+	unsafeForgetKeysFlag       = "unsafe-forget-keys"
+	unsafeReleaseOnHeadersFlag = "unsafe-release-on-headers"
 )
 
 // scenario is what a run does, from the flags.
@@ -55,6 +59,7 @@ type scenario struct {
 	unsafeEffect    bool
 	unsafeTTL       time.Duration
 	forgetKeys      bool
+	releaseEarly    bool
 	self            string // this program's executable
 	stderr          io.Writer
 	pollEvery       time.Duration
@@ -78,10 +83,7 @@ func runScenario(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		return exitError
 	}
 	rep.print(stdout)
-	if rep.failed() {
-		return exitFailed
-	}
-	return 0
+	return rep.status()
 }
 
 func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
@@ -111,6 +113,8 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 		"the handler's effect is not deduplicated downstream nor in the claim's transaction")
 	fs.DurationVar(&sc.unsafeTTL, unsafeTTLFlag, 0, "the middleware's retention of outcomes (0: its default)")
 	fs.BoolVar(&sc.forgetKeys, unsafeForgetKeysFlag, false, "the client keeps its pending keys in memory (a broken client)")
+	fs.BoolVar(&sc.releaseEarly, unsafeReleaseOnHeadersFlag, false,
+		"the client releases a key on the header of a 2xx, before its body was read (a broken client)")
 	fs.Usage = func() {
 		shown := flag.NewFlagSet("idemchaos", flag.ContinueOnError)
 		shown.SetOutput(stderr)
@@ -163,11 +167,16 @@ func parseScenario(args []string, stderr io.Writer) (*scenario, error) {
 }
 
 // proxyFaults spreads a share p of faulted requests over the kinds of
-// fault, and delays another share p of requests by up to 20ms.
+// fault, and delays another share p of requests by up to 20ms. A tenth of
+// the faulted requests have their response's body cut after the server
+// stored the outcome: the client has a 201 it cannot read to the end, and
+// only a client that still holds the key gets the answer replayed rather
+// than paying again.
 func proxyFaults(p float64) idemtest.Faults {
 	return idemtest.Faults{
 		ResetBefore:     0.25 * p,
-		LoseResponse:    0.3 * p,
+		LoseResponse:    0.2 * p,
+		CutBody:         0.1 * p,
 		Unavailable:     0.2 * p,
 		TooManyRequests: 0.15 * p,
 		Stall:           0.1 * p,
@@ -252,10 +261,13 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 	if sc.forgetKeys {
 		clientArgs = append(clientArgs, "-"+unsafeForgetKeysFlag)
 	}
+	if sc.releaseEarly {
+		clientArgs = append(clientArgs, "-"+unsafeReleaseOnHeadersFlag)
+	}
 	rep = &report{scenario: sc}
 	rng := rand.New(rand.NewPCG(uint64(sc.seed), 0x6b696c6c73))
-	killAt := moments(rng, sc.clientKills, sc.ops)
-	restartAt := moments(rng, sc.serverRestarts, sc.ops)
+	killAt := newSchedule(moments(rng, sc.clientKills, sc.ops), sc.ops)
+	restartAt := newSchedule(moments(rng, sc.serverRestarts, sc.ops), sc.ops)
 	progress := &doneTail{path: f.clientLog, done: make(map[string]bool)}
 
 	client, err := sc.start(roleClient, clientArgs, nil, nil)
@@ -283,8 +295,9 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 		if err := progress.read(); err != nil {
 			return nil, err
 		}
-		if len(restartAt) > 0 && len(progress.done) >= restartAt[0] {
-			restartAt = restartAt[1:]
+		done := len(progress.done)
+		if restartAt.due(done) {
+			restartAt.made(done)
 			sc.awaitEffect(ctx, f.ledger)
 			server.kill()
 			rep.serverRestarts++
@@ -292,10 +305,10 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 				return nil, err
 			}
 		}
-		if len(killAt) > 0 && len(progress.done) >= killAt[0] {
-			killAt = killAt[1:]
+		if killAt.due(done) {
 			sleepRandom(ctx, rng) // land at any moment of an operation
 			if client.kill() {    // not if it finished in the meantime
+				killAt.made(done)
 				rep.clientKills++
 				if client, err = sc.start(roleClient, clientArgs, nil, nil); err != nil {
 					return nil, err
@@ -353,6 +366,33 @@ func moments(rng *rand.Rand, n, ops int) []int {
 	}
 	slices.Sort(at)
 	return at
+}
+
+// schedule is when the kills of one kind are due, by the progress of the
+// run: the count of operations the client log records done.
+type schedule struct {
+	at   []int // the moments left, sorted
+	ops  int   // operations in the scenario
+	last int   // operations done at the last kill; -1 before the first
+}
+
+func newSchedule(at []int, ops int) *schedule {
+	return &schedule{at: at, ops: ops, last: -1}
+}
+
+// due reports whether a kill is due with done operations done: its moment
+// has come, some operation has been recorded done since the last kill (so
+// that the process started after it has worked, rather than being killed
+// as it starts, which proves nothing), and some operation is left (so
+// that the kill lands while there is work to lose).
+func (s *schedule) due(done int) bool {
+	return len(s.at) > 0 && done >= s.at[0] && done > s.last && done < s.ops
+}
+
+// made records the kill made with done operations done.
+func (s *schedule) made(done int) {
+	s.at = s.at[1:]
+	s.last = done
 }
 
 // sleepRandom waits up to 10ms, so that a kill lands anywhere in an
@@ -467,12 +507,13 @@ func (c *child) stop() error {
 }
 
 // doneTail follows the client log as it grows and collects the operations
-// recorded done.
+// recorded done. It moves past whole lines only, and reads a line without
+// its newline again the next time: a worker that starts after one was torn
+// cuts it off (see openLineLog) and writes its own lines in its place.
 type doneTail struct {
-	path    string
-	off     int64
-	partial []byte
-	done    map[string]bool
+	path string
+	off  int64 // the end of the last whole line read
+	done map[string]bool
 }
 
 func (t *doneTail) read() error {
@@ -488,8 +529,6 @@ func (t *doneTail) read() error {
 	if err != nil {
 		return err
 	}
-	t.off += int64(len(data))
-	data = append(t.partial, data...)
 	for {
 		i := slices.Index(data, '\n')
 		if i < 0 {
@@ -500,8 +539,8 @@ func (t *doneTail) read() error {
 			t.done[op] = true
 		}
 		data = data[i+1:]
+		t.off += int64(i) + 1
 	}
-	t.partial = slices.Clone(data)
 	return nil
 }
 

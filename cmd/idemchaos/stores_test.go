@@ -52,6 +52,7 @@ func TestServerRestarts(t *testing.T) {
 			assert.Equal(t, 120, count(t, report, "operations"))
 			assert.Equal(t, 2, count(t, report, "server restarts"))
 			assert.Equal(t, 1, count(t, report, "client kills"))
+			assert.Equal(t, 0, count(t, report, "new keys after cut bodies"))
 			assert.Contains(t, report, "PASS: every operation took effect exactly once")
 			assertSpaceRemoved(t, s.name, report)
 		})
@@ -106,4 +107,25 @@ func assertSpaceRemoved(t *testing.T, store, report string) {
 	keys, err := prefixed(ctx, client, spec.redisPrefix())
 	require.NoError(t, err)
 	assert.Empty(t, keys, "keys with prefix %s remain", spec.redisPrefix())
+}
+
+// TestTooFewRestartsIncomplete runs, on each persistent store, a scenario
+// whose one operation is done before a second server restart could follow
+// progress made since the first: the run reports INCOMPLETE and exits
+// with exitIncomplete.
+func TestTooFewRestartsIncomplete(t *testing.T) {
+	for _, s := range persistentStores {
+		t.Run(s.name, func(t *testing.T) {
+			args := append(storeArgs(t, s.name, s.variable), "-ops", "1", "-workers", "1",
+				"-client-kills", "0", "-server-restarts", "2", "-faults", "0", "-seed", "9")
+			status, report := chaos(t, args...)
+			assert.Equal(t, exitIncomplete, status)
+			assert.Less(t, count(t, report, "server restarts"), 2)
+			assert.Equal(t, 0, count(t, report, "duplicates"))
+			assert.Equal(t, 0, count(t, report, "lost"))
+			assert.Regexp(t, `(?m)^INCOMPLETE: asked for 0 client kills and 2 server restarts, made 0 client kills and [01] server restarts?`, report)
+			assert.NotContains(t, report, "PASS")
+			assertSpaceRemoved(t, s.name, report)
+		})
+	}
 }

@@ -46,6 +46,7 @@ func work(ctx context.Context, args []string) error {
 	n := fs.Int("ops", 0, "number of operations")
 	workers := fs.Int("workers", 1, "operations made at once")
 	forgetKeys := fs.Bool(unsafeForgetKeysFlag, false, "keep the pending keys in memory")
+	releaseEarly := fs.Bool(unsafeReleaseOnHeadersFlag, false, "release a key before the body of its 2xx was read")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -75,6 +76,9 @@ func work(ctx context.Context, args []string) error {
 	defer log.Close()
 
 	w := &worker{log: log, url: *url}
+	if *releaseEarly {
+		w.releaseEarly = keys.Release
+	}
 	w.client = idemhttp.NewClient(
 		idemhttp.WithKeyStore(keys),
 		idemhttp.WithMaxAttempts(6),
@@ -111,6 +115,10 @@ type worker struct {
 	client *http.Client
 	log    *lineLog
 	url    string
+	// releaseEarly, if set, releases an operation's key as soon as a 2xx
+	// has arrived, before its body is read: a broken client, for the test
+	// that shows that idemchaos catches one.
+	releaseEarly func(ctx context.Context, operation, key string) error
 	// failed holds the first error that stopped an operation for good.
 	failed error
 	mu     sync.Mutex
@@ -159,7 +167,9 @@ func forEach(ctx context.Context, ops []string, n int, do func(op string)) error
 
 // complete sends op until its outcome is final, records it done and only
 // then reads the response, which releases op's key. A 201 whose body is
-// not op's receipt (a replay of another answer) is recorded as wrong.
+// not op's receipt (a replay of another answer) is recorded as wrong; one
+// whose body cannot be read to its end is recorded cut, and op is sent
+// again.
 func (w *worker) complete(ctx context.Context, op string) error {
 	for ctx.Err() == nil {
 		resp, err := w.pay(ctx, op)
@@ -174,6 +184,12 @@ func (w *worker) complete(ctx context.Context, op string) error {
 			sleep(ctx, 50*time.Millisecond)
 			continue
 		}
+		if w.releaseEarly != nil && resp.StatusCode/100 == 2 {
+			if err := w.releaseEarly(ctx, op, sentKey(resp)); err != nil {
+				drain(resp)
+				return err
+			}
+		}
 		replayed := strconv.FormatBool(resp.Header.Get(idemserver.ReplayedHeader) == "true")
 		err = w.log.append(true, "done", op, strconv.Itoa(resp.StatusCode), replayed, sentKey(resp))
 		if err != nil {
@@ -184,9 +200,20 @@ func (w *worker) complete(ctx context.Context, op string) error {
 			drain(resp)
 			return fmt.Errorf("%s: final status %s", op, resp.Status)
 		}
-		// A body cut in transit proves nothing about the answer; the key
-		// stays pending and the next worker drives op again.
-		if wrong, err := checkReceipt(resp, op); err == nil && wrong != "" {
+		wrong, err := checkReceipt(resp, op)
+		if err != nil {
+			// The body was cut in transit, after the server had stored
+			// the outcome: the key must still be pending, so op is called
+			// again at once and answered by a replay. The log notes the
+			// key, for the report to check that the next answer came to
+			// the same one (a client that released the key on the
+			// header would send a new one, and pay again).
+			if err := w.log.append(false, "cut", op, sentKey(resp)); err != nil {
+				return err
+			}
+			continue
+		}
+		if wrong != "" {
 			fmt.Fprintf(os.Stderr, "idemchaos client: %s: %s\n", op, wrong)
 			return w.log.append(true, "wrong", op)
 		}
