@@ -23,7 +23,9 @@ type Stats struct {
 	// Delayed counts the requests delayed by Faults.Latency.
 	Delayed int
 	// ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled
-	// and CutBodies count the requests that met each fault.
+	// and CutBodies count the requests that met each fault. A request
+	// whose client gave up during its delay, or that the server reset
+	// then as it closed, met no fault and counts for none.
 	ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled, CutBodies int
 	// Replayed counts the responses marked Idempotent-Replayed: true that
 	// came back through the injector, including those it then dropped.
@@ -73,26 +75,15 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if d.delay > 0 {
 		in.stats.Delayed++
 	}
-	switch d.fault {
-	case faultResetBefore:
-		in.stats.ResetBefore++
-	case faultLoseResponse:
-		in.stats.LostResponses++
-	case faultUnavailable:
-		in.stats.Unavailable++
-	case faultTooManyRequests:
-		in.stats.TooManyRequests++
-	case faultStall:
-		in.stats.Stalled++
-	case faultCutBody:
-		in.stats.CutBodies++
-	}
 	in.mu.Unlock()
 
 	if d.delay > 0 && !in.wait(r.Context(), d.delay) {
-		reset(w) // the client gave up, or the server is closing
+		// The client gave up, or the server is closing: the request
+		// meets no fault, and none is counted.
+		reset(w)
 		return
 	}
+	in.count(d.fault)
 	switch d.fault {
 	case faultResetBefore:
 		reset(w)
@@ -117,6 +108,28 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		cut(w, r, rec.Result(), rec.Body.Bytes())
 	default:
 		in.pass(w, r)
+	}
+}
+
+// count counts a fault as injected: once the request's delay is over, so
+// that a request whose client left during its delay does not count a fault
+// it never met.
+func (in *injector) count(f fault) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	switch f {
+	case faultResetBefore:
+		in.stats.ResetBefore++
+	case faultLoseResponse:
+		in.stats.LostResponses++
+	case faultUnavailable:
+		in.stats.Unavailable++
+	case faultTooManyRequests:
+		in.stats.TooManyRequests++
+	case faultStall:
+		in.stats.Stalled++
+	case faultCutBody:
+		in.stats.CutBodies++
 	}
 }
 

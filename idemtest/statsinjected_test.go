@@ -1,0 +1,57 @@
+package idemtest
+
+import (
+	"context"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestStatsCountOnlyInjectedFaults checks that a fault is counted only when
+// it was injected: a request whose client gives up during its delay meets
+// no fault (the handler does not run, no response is lost), so a test that
+// checks Stats to prove it exercised lost responses cannot pass on faults
+// that never happened.
+func TestStatsCountOnlyInjectedFaults(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		faults Faults
+	}{
+		{"lost response", Faults{LoseResponse: 1}},
+		{"reset before", Faults{ResetBefore: 1}},
+		{"cut body", Faults{CutBody: 1}},
+		{"unavailable", Faults{Unavailable: 1}},
+		{"too many requests", Faults{TooManyRequests: 1}},
+		{"stall", Faults{Stall: 1}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f := tt.faults
+			f.Latency, f.MinLatency, f.MaxLatency = 1, time.Hour, time.Hour
+			var runs atomic.Int32
+			srv := NewServer(countRuns(created, &runs), WithFaults(f), WithSeed(1))
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			defer cancel()
+			require.True(t, post(ctx, client, srv.URL, "k").err)
+			require.Eventually(t, func() bool { return srv.Stats().Requests == 1 }, 10*time.Second, time.Millisecond)
+			srv.Close() // waits for the request to end
+			assert.Zero(t, runs.Load())
+			assert.Equal(t, Stats{Requests: 1, Delayed: 1}, srv.Stats(),
+				"the client left during the delay: no fault was injected")
+		})
+	}
+}
+
+// countRuns counts the runs of h in runs.
+func countRuns(h http.Handler, runs *atomic.Int32) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		h.ServeHTTP(w, r)
+	})
+}
