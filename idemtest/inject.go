@@ -83,7 +83,9 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		reset(w)
 		return
 	}
-	in.count(d.fault)
+	if d.fault != faultCutBody { // counted once the response is known
+		in.count(d.fault)
+	}
 	switch d.fault {
 	case faultResetBefore:
 		reset(w)
@@ -105,7 +107,13 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case faultCutBody:
 		rec := httptest.NewRecorder()
 		in.pass(rec, r)
-		cut(w, r, rec.Result(), rec.Body.Bytes())
+		resp := rec.Result()
+		if cuttable(r, resp.StatusCode) {
+			in.count(faultCutBody)
+		} else {
+			in.count(faultLoseResponse) // cut replaces it by a reset
+		}
+		cut(w, r, resp, rec.Body.Bytes())
 	default:
 		in.pass(w, r)
 	}
@@ -254,7 +262,7 @@ func abort(w http.ResponseWriter, prefix string) {
 // fails however short it is. A response that cannot have a body is
 // replaced by a reset.
 func cut(w http.ResponseWriter, r *http.Request, resp *http.Response, body []byte) {
-	if r.Method == http.MethodHead || !bodyAllowed(resp.StatusCode) {
+	if !cuttable(r, resp.StatusCode) {
 		reset(w)
 		return
 	}
@@ -271,6 +279,12 @@ func cut(w http.ResponseWriter, r *http.Request, resp *http.Response, body []byt
 		fmt.Fprintf(&b, "%x\r\n%s\r\n", len(half), half)
 	}
 	abort(w, b.String())
+}
+
+// cuttable reports whether the response to r, of status, has a body that
+// cut can cut short.
+func cuttable(r *http.Request, status int) bool {
+	return r.Method != http.MethodHead && bodyAllowed(status)
 }
 
 // replayWriter passes a response through, and keeps its status and, if it

@@ -2,6 +2,7 @@ package idemtest
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"sync/atomic"
 	"testing"
@@ -54,4 +55,44 @@ func countRuns(h http.Handler, runs *atomic.Int32) http.Handler {
 		runs.Add(1)
 		h.ServeHTTP(w, r)
 	})
+}
+
+// TestCutBodyWithoutBodyCountsALostResponse checks that a response that
+// cannot have a body, which the injector loses whole instead of cutting,
+// is counted as a lost response, not as a cut body that never happened.
+func TestCutBodyWithoutBodyCountsALostResponse(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		method string
+		status int
+	}{
+		{"204", http.MethodPost, http.StatusNoContent},
+		{"HEAD", http.MethodHead, http.StatusCreated},
+		{"201", http.MethodPost, http.StatusCreated},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(tt.status)
+				_, _ = w.Write([]byte("body"))
+			})
+			srv := NewServer(h, WithFaults(Faults{CutBody: 1}), WithSeed(1))
+			defer srv.Close()
+			client := rawClient()
+			defer client.CloseIdleConnections()
+			req, err := http.NewRequestWithContext(t.Context(), tt.method, srv.URL+"/x", nil)
+			require.NoError(t, err)
+			req.Header.Set("Idempotency-Key", "k")
+			resp, err := client.Do(req)
+			if err == nil {
+				_, err = io.ReadAll(resp.Body)
+				resp.Body.Close()
+			}
+			require.Error(t, err)
+			want := Stats{Requests: 1, CutBodies: 1}
+			if !bodyAllowed(tt.status) || tt.method == http.MethodHead {
+				want = Stats{Requests: 1, LostResponses: 1}
+			}
+			assert.Equal(t, want, srv.Stats())
+		})
+	}
 }
