@@ -37,10 +37,14 @@ func TestStatsCountOnlyInjectedFaults(t *testing.T) {
 			defer srv.Close()
 			client := rawClient()
 			defer client.CloseIdleConnections()
-			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			// The client gives up once the request is being delayed.
+			ctx, cancel := context.WithCancel(t.Context())
 			defer cancel()
-			require.True(t, post(ctx, client, srv.URL, "k").err)
+			sent := make(chan outcome, 1)
+			go func() { sent <- post(ctx, client, srv.URL, "k") }()
 			require.Eventually(t, func() bool { return srv.Stats().Requests == 1 }, 10*time.Second, time.Millisecond)
+			cancel()
+			require.True(t, (<-sent).err)
 			srv.Close() // waits for the request to end
 			assert.Zero(t, runs.Load())
 			assert.Equal(t, Stats{Requests: 1, Delayed: 1}, srv.Stats(),
