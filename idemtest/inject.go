@@ -158,6 +158,7 @@ func (in *injector) pass(w http.ResponseWriter, r *http.Request) {
 			in.check(r.Context(), key, rw.status, w.Header(), rw.body.Bytes())
 		}
 	}
+	rw.release()
 }
 
 // wait waits for d, or without end if d is negative, and reports whether
@@ -288,7 +289,10 @@ func cuttable(r *http.Request, status int) bool {
 }
 
 // replayWriter passes a response through, and keeps its status and, if it
-// is marked replayed when its header is written, its body.
+// is marked replayed when its header is written, its body. It holds a
+// replay back until release, so that the replay is checked before any of
+// it reaches the client: a client that took a large replay's status and
+// left, and a test that asserted at once, would otherwise miss it.
 type replayWriter struct {
 	http.ResponseWriter
 	status int
@@ -301,6 +305,9 @@ func (w *replayWriter) WriteHeader(code int) {
 		w.status = code
 		w.replay = w.Header().Get(idemserver.ReplayedHeader) == "true"
 	}
+	if w.replay {
+		return // held until release
+	}
 	w.ResponseWriter.WriteHeader(code)
 }
 
@@ -308,16 +315,27 @@ func (w *replayWriter) Write(p []byte) (int, error) {
 	if w.status == 0 {
 		w.WriteHeader(http.StatusOK)
 	}
-	n, err := w.ResponseWriter.Write(p)
 	if w.replay {
-		w.body.Write(p[:n])
+		return w.body.Write(p)
 	}
-	return n, err
+	return w.ResponseWriter.Write(p)
+}
+
+// release sends the replay held back, if any.
+func (w *replayWriter) release() {
+	if w.replay {
+		w.ResponseWriter.WriteHeader(w.status)
+		_, _ = w.ResponseWriter.Write(w.body.Bytes())
+	}
 }
 
 // FlushError lets a streaming handler flush through the writer, and tells
-// it when the flush failed, as the writer underneath does.
+// it when the flush failed, as the writer underneath does. A replay held
+// back is not flushed.
 func (w *replayWriter) FlushError() error {
+	if w.replay {
+		return nil
+	}
 	return http.NewResponseController(w.ResponseWriter).Flush()
 }
 
