@@ -56,7 +56,7 @@ type Faults struct {
 	// client that takes the operation for unfinished must retry it with
 	// its key, since the handler acted. A response that cannot have a
 	// body (to a HEAD, or a 1xx, 204 or 304) is lost whole instead, as
-	// with LoseResponse.
+	// with LoseResponse, and counted as a lost response in [Stats].
 	CutBody float64
 	// RetryAfter is the wait the 429 asks for, rounded up to whole seconds.
 	// Zero sends "Retry-After: 0".

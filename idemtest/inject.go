@@ -23,7 +23,9 @@ type Stats struct {
 	// Delayed counts the requests delayed by Faults.Latency.
 	Delayed int
 	// ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled
-	// and CutBodies count the requests that met each fault.
+	// and CutBodies count the requests that met each fault. A request
+	// whose client gave up during its delay, or that the server reset
+	// then as it closed, met no fault and counts for none.
 	ResetBefore, LostResponses, Unavailable, TooManyRequests, Stalled, CutBodies int
 	// Replayed counts the responses marked Idempotent-Replayed: true that
 	// came back through the injector, including those it then dropped.
@@ -73,25 +75,16 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if d.delay > 0 {
 		in.stats.Delayed++
 	}
-	switch d.fault {
-	case faultResetBefore:
-		in.stats.ResetBefore++
-	case faultLoseResponse:
-		in.stats.LostResponses++
-	case faultUnavailable:
-		in.stats.Unavailable++
-	case faultTooManyRequests:
-		in.stats.TooManyRequests++
-	case faultStall:
-		in.stats.Stalled++
-	case faultCutBody:
-		in.stats.CutBodies++
-	}
 	in.mu.Unlock()
 
 	if d.delay > 0 && !in.wait(r.Context(), d.delay) {
-		reset(w) // the client gave up, or the server is closing
+		// The client gave up, or the server is closing: the request
+		// meets no fault, and none is counted.
+		reset(w)
 		return
+	}
+	if d.fault != faultCutBody { // counted once the response is known
+		in.count(d.fault)
 	}
 	switch d.fault {
 	case faultResetBefore:
@@ -114,9 +107,37 @@ func (in *injector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case faultCutBody:
 		rec := httptest.NewRecorder()
 		in.pass(rec, r)
-		cut(w, r, rec.Result(), rec.Body.Bytes())
+		resp := rec.Result()
+		if cuttable(r, resp.StatusCode) {
+			in.count(faultCutBody)
+		} else {
+			in.count(faultLoseResponse) // cut replaces it by a reset
+		}
+		cut(w, r, resp, rec.Body.Bytes())
 	default:
 		in.pass(w, r)
+	}
+}
+
+// count counts a fault as injected: once the request's delay is over, so
+// that a request whose client left during its delay does not count a fault
+// it never met.
+func (in *injector) count(f fault) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	switch f {
+	case faultResetBefore:
+		in.stats.ResetBefore++
+	case faultLoseResponse:
+		in.stats.LostResponses++
+	case faultUnavailable:
+		in.stats.Unavailable++
+	case faultTooManyRequests:
+		in.stats.TooManyRequests++
+	case faultStall:
+		in.stats.Stalled++
+	case faultCutBody:
+		in.stats.CutBodies++
 	}
 }
 
@@ -137,6 +158,7 @@ func (in *injector) pass(w http.ResponseWriter, r *http.Request) {
 			in.check(r.Context(), key, rw.status, w.Header(), rw.body.Bytes())
 		}
 	}
+	rw.release()
 }
 
 // wait waits for d, or without end if d is negative, and reports whether
@@ -241,7 +263,7 @@ func abort(w http.ResponseWriter, prefix string) {
 // fails however short it is. A response that cannot have a body is
 // replaced by a reset.
 func cut(w http.ResponseWriter, r *http.Request, resp *http.Response, body []byte) {
-	if r.Method == http.MethodHead || !bodyAllowed(resp.StatusCode) {
+	if !cuttable(r, resp.StatusCode) {
 		reset(w)
 		return
 	}
@@ -260,8 +282,17 @@ func cut(w http.ResponseWriter, r *http.Request, resp *http.Response, body []byt
 	abort(w, b.String())
 }
 
+// cuttable reports whether the response to r, of status, has a body that
+// cut can cut short.
+func cuttable(r *http.Request, status int) bool {
+	return r.Method != http.MethodHead && bodyAllowed(status)
+}
+
 // replayWriter passes a response through, and keeps its status and, if it
-// is marked replayed when its header is written, its body.
+// is marked replayed when its header is written, its body. It holds a
+// replay back until release, so that the replay is checked before any of
+// it reaches the client: a client that took a large replay's status and
+// left, and a test that asserted at once, would otherwise miss it.
 type replayWriter struct {
 	http.ResponseWriter
 	status int
@@ -274,6 +305,9 @@ func (w *replayWriter) WriteHeader(code int) {
 		w.status = code
 		w.replay = w.Header().Get(idemserver.ReplayedHeader) == "true"
 	}
+	if w.replay {
+		return // held until release
+	}
 	w.ResponseWriter.WriteHeader(code)
 }
 
@@ -281,16 +315,27 @@ func (w *replayWriter) Write(p []byte) (int, error) {
 	if w.status == 0 {
 		w.WriteHeader(http.StatusOK)
 	}
-	n, err := w.ResponseWriter.Write(p)
 	if w.replay {
-		w.body.Write(p[:n])
+		return w.body.Write(p)
 	}
-	return n, err
+	return w.ResponseWriter.Write(p)
+}
+
+// release sends the replay held back, if any.
+func (w *replayWriter) release() {
+	if w.replay {
+		w.ResponseWriter.WriteHeader(w.status)
+		_, _ = w.ResponseWriter.Write(w.body.Bytes())
+	}
 }
 
 // FlushError lets a streaming handler flush through the writer, and tells
-// it when the flush failed, as the writer underneath does.
+// it when the flush failed, as the writer underneath does. A replay held
+// back is not flushed.
 func (w *replayWriter) FlushError() error {
+	if w.replay {
+		return nil
+	}
 	return http.NewResponseController(w.ResponseWriter).Flush()
 }
 

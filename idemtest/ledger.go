@@ -295,6 +295,10 @@ func (l *ledger) executions() map[string]int {
 func (l *ledger) inProgress() (keys []string, runs int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	return l.inProgressLocked()
+}
+
+func (l *ledger) inProgressLocked() (keys []string, runs int) {
 	for key, n := range l.running {
 		keys = append(keys, key)
 		runs += n
@@ -306,6 +310,10 @@ func (l *ledger) inProgress() (keys []string, runs int) {
 func (l *ledger) duplicates() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	return l.duplicatesLocked()
+}
+
+func (l *ledger) duplicatesLocked() []string {
 	var dups []string
 	for key, n := range l.runs {
 		if n > 1 {
@@ -316,17 +324,35 @@ func (l *ledger) duplicates() []string {
 	return dups
 }
 
-// unkeyedRuns describes the counted runs of requests without a key whose
-// method is not idempotent, sorted, with their number.
-func (l *ledger) unkeyedRuns() (what []string, runs int) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
+// unkeyedRunsLocked describes the counted runs of requests without a key
+// whose method is not idempotent, sorted, with their number. l.mu must be
+// held.
+func (l *ledger) unkeyedRunsLocked() (what []string, runs int) {
 	for name, n := range l.unkeyed {
 		what = append(what, fmt.Sprintf("%s (%d)", name, n))
 		runs += n
 	}
 	slices.Sort(what)
 	return what, runs
+}
+
+// ledgerView is the whole ledger at one instant, as an assertion reads it.
+type ledgerView struct {
+	runs                     map[string]int
+	duplicates, wrong        []string
+	unkeyed, running         []string
+	unkeyedRuns, runningRuns int
+}
+
+// view reads the whole ledger under one lock, so that a run that ends
+// meanwhile is either in progress or counted, never neither.
+func (l *ledger) view() ledgerView {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	v := ledgerView{runs: maps.Clone(l.runs), duplicates: l.duplicatesLocked(), wrong: slices.Clone(l.wrong)}
+	v.unkeyed, v.unkeyedRuns = l.unkeyedRunsLocked()
+	v.running, v.runningRuns = l.inProgressLocked()
+	return v
 }
 
 // idempotentMethod reports whether HTTP defines method as idempotent

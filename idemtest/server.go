@@ -132,9 +132,12 @@ func (s *Server) Stats() Stats { return s.injector.snapshot() }
 // could yet be a duplicate. Close waits for such runs.
 func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
 	t.Helper()
-	runs := s.Executions()
+	// One reading of the ledger: a run that ends between two readings
+	// would be in progress in neither and a duplicate in neither.
+	v := s.ledger.view()
+	runs := v.runs
 	var problems []string
-	if dups := s.Duplicates(); len(dups) > 0 {
+	if dups := v.duplicates; len(dups) > 0 {
 		parts := make([]string, len(dups))
 		for i, k := range dups {
 			parts[i] = fmt.Sprintf("%s (%d executions)", k, runs[k])
@@ -142,20 +145,20 @@ func (s *Server) AssertExactlyOnce(t testing.TB, operations int) bool {
 		problems = append(problems, fmt.Sprintf("%d keys executed more than once: %s",
 			len(dups), strings.Join(parts, ", ")))
 	}
-	if wrong := s.WrongReplays(); len(wrong) > 0 {
+	if wrong := v.wrong; len(wrong) > 0 {
 		problems = append(problems, fmt.Sprintf("%d replays were not the handler's answer: %s",
 			len(wrong), strings.Join(wrong, ", ")))
 	}
 	// A run without a key is no key's execution, and nothing deduplicates
 	// it: it may be an operation's retry sent without the operation's key.
-	if what, n := s.ledger.unkeyedRuns(); n > 0 {
+	if n := v.unkeyedRuns; n > 0 {
 		problems = append(problems, fmt.Sprintf("%d runs of the handler for requests without an idempotency key, which nothing deduplicates: %s",
-			n, strings.Join(what, ", ")))
+			n, strings.Join(v.unkeyed, ", ")))
 	}
 	// A run is counted when it ends. One still going, such as a run whose
 	// client gave up, may yet be a duplicate or a key too many: until it
 	// ends the ledger proves nothing.
-	if keys, n := s.ledger.inProgress(); n > 0 {
+	if keys, n := v.running, v.runningRuns; n > 0 {
 		what := "runs"
 		if n == 1 {
 			what = "run"
