@@ -70,7 +70,10 @@ import (
 // the call that recorded it, and sent once: net/http sends a request that
 // carries an idempotency key again by itself, on a new connection, when a
 // reused one fails before the response, and the first send may have
-// reached the server. Once the key may have reached the server (an
+// reached the server. (Nothing tells that resend from one made because not
+// a byte of the first send could be written, so a 4xx answering either
+// keeps the key pending; the next call gets the server's replay of it.)
+// Once the key may have reached the server (an
 // earlier attempt of the call, or an earlier call that left it pending), a
 // 4xx keeps it pending unless the server marks the response as the replay
 // of the outcome it stored for the key (Idempotent-Replayed: true): a layer
