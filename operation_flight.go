@@ -50,17 +50,12 @@ type flightsHolder interface {
 	operationFlights() *flights
 }
 
-// start marks operation as in flight, and returns the flight's number
-// with the outcomes awaiting Settle that the call supersedes (see
-// restore). It fails, wrapping [ErrOperationInFlight], if it already is.
-func (f *flights) start(operation string) (n uint64, superseded []*heldKey, err error) {
+// start marks operation as in flight, and returns the flight's number.
+// It fails, wrapping [ErrOperationInFlight], if it already is.
+func (f *flights) start(operation string) (uint64, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	held := f.held[operation]
-	if n, err = f.startLocked(operation); err != nil {
-		return 0, nil, err
-	}
-	return n, held, nil
+	return f.startLocked(operation)
 }
 
 // settle marks operation as in flight for a Settle of h, as start does,
@@ -118,13 +113,12 @@ func (f *flights) follow(operation string, n uint64) (m uint64, superseded []*he
 }
 
 // restore notes again, until a Settle of them or the operation's next
-// call, the outcomes that a call superseded when it started, once it is
-// clear that its caller will not need the key: the call ended with
-// nothing sent, or it is the request following a redirect (see follow)
-// and its own outcome, which releases nothing, has reached its caller.
-// Its caller holds the operation's flight, so no call of it started
-// since. Without this, the first caller's Settle would leave the key to
-// a call that has no use for it, and no one would release it.
+// call, the outcomes that the request following a redirect superseded
+// (see follow), once that request's own outcome, which releases nothing,
+// has reached its caller, who needs the key no more. Its caller holds
+// the operation's flight, so no call of it started since. Without this,
+// each caller would leave the key to the other, and no one would release
+// it.
 func (f *flights) restore(operation string, held []*heldKey) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -89,10 +89,11 @@ func (h *heldKey) decide(delivered bool) {
 // A call of the operation started since the call that returned resp (in
 // this process, among the Transports whose calls of the operation are kept
 // apart; see [WithOperation]) supersedes resp: it sent the key again, and
-// its caller, whose outcome need not be final, may need the key still. A
-// call that ended with nothing sent (its context ended first, or the
-// KeyStore, the rate limiter or the breaker refused it) supersedes
-// nothing. Settle of a superseded response returns nil and releases nothing; the
+// its caller, whose outcome need not be final, may need the key still. So
+// does a call that ended with nothing sent (its context ended first, or
+// the rate limiter or the breaker refused it): its caller may have sent
+// the key in an earlier call whose outcome it never learnt. Settle of a
+// superseded response returns nil and releases nothing; the
 // later call's outcome, or its Settle, releases the key by these same
 // rules. The same holds for the response to the request that follows a
 // redirect after another call of the operation ran in between (see

@@ -215,11 +215,6 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // request that follows the redirect returned.
 func (c *call) finish() {
 	c.body.close()
-	if c.flight != nil && !c.sent && len(c.startSuperseded) > 0 {
-		// A call that sent nothing needs the key no more than before it
-		// started: the outcomes it superseded are the ones to settle.
-		c.flight.restore(c.operation, c.startSuperseded)
-	}
 	switch {
 	case c.flight == nil:
 	case c.handed:
@@ -261,14 +256,8 @@ type call struct {
 	// superseded lists the outcomes awaiting Settle of the calls that
 	// shared the key, which this request took over (see flights.follow).
 	superseded []*heldKey
-	// startSuperseded lists the outcomes awaiting Settle that this call
-	// superseded when it started its flight, given back if it ends with
-	// nothing sent (see flights.restore); sent: an attempt went to the
-	// base transport.
-	startSuperseded []*heldKey
-	sent            bool
-	pending         bool // opKey is pending in the KeyStore under operation
-	resend          bool // the request may be sent again after it reached the server
+	pending    bool // opKey is pending in the KeyStore under operation
+	resend     bool // the request may be sent again after it reached the server
 	// watchBody: the request may be sent again only if nothing reached the
 	// server, so each attempt notes whether its body was read.
 	watchBody bool
@@ -547,11 +536,11 @@ func (c *call) assignKey() error {
 // may release it (see flights).
 func (c *call) startFlight(f *flights, operation string) error {
 	c.operation = operation // named in the report of a refusal too
-	n, superseded, err := f.start(operation)
+	n, err := f.start(operation)
 	if err != nil {
 		return err
 	}
-	c.flight, c.flightN, c.startSuperseded = f, n, superseded
+	c.flight, c.flightN = f, n
 	return nil
 }
 
@@ -810,7 +799,6 @@ func (c *call) attempt(n int) outcome {
 	r := c.attemptRequest(o.ctx, ownCtx)
 	r.Body, r.GetBody = body, getBody
 
-	c.sent = true
 	o.resp, o.err = c.t.base.RoundTrip(r)
 	if sends != nil && sends.Load() > 1 {
 		c.resent = true
