@@ -43,7 +43,10 @@ type operationKey struct{}
 // follows is then refused if that call is still in flight, and otherwise
 // sent, but its outcome leaves the key pending, for the other call's
 // caller may still need it, and the next call gets the server's replay
-// (with HoldKey, [Settle] of that outcome returns nil and releases nothing). A
+// (with HoldKey, [Settle] of that outcome returns nil and releases nothing).
+// If the other call was made with HoldKey and its caller has not yet
+// settled, that request's body keeps the operation in flight too, and
+// once it has been delivered the other caller's Settle releases the key. A
 // body whose outcome may release the key keeps the operation in flight
 // until it is read to its end, fails or is closed, even once the call's
 // context has ended (a response abandoned when a timeout fires holds it

@@ -97,12 +97,35 @@ func (f *flights) hold(operation string, h *heldKey) {
 // redirect, which flight number n handed on. It fails as start does, and
 // reports whether another flight of operation started after n was handed
 // on: another call sent the key since, and its caller may still need it.
-func (f *flights) follow(operation string, n uint64) (m uint64, another bool, err error) {
+// superseded lists the outcomes of such calls that awaited Settle: the
+// request that follows supersedes them while its own outcome may not be
+// final, and gives them back once it is (see restore).
+func (f *flights) follow(operation string, n uint64) (m uint64, superseded []*heldKey, another bool, err error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	prev, ok := f.ops[operation]
-	m, err = f.startLocked(operation)
-	return m, !ok || prev.n != n, err
+	another = !ok || prev.n != n
+	held := f.held[operation]
+	if m, err = f.startLocked(operation); err == nil && another {
+		superseded = held
+	}
+	return m, superseded, another, err
+}
+
+// restore notes again, until a Settle of them or the operation's next
+// call, the outcomes that the request following a redirect superseded
+// (see follow), once that request's own outcome, which releases nothing,
+// has reached its caller, who needs the key no more. Its caller holds
+// the operation's flight, so no call of it started since. Without this,
+// each caller would leave the key to the other, and no one would release
+// it.
+func (f *flights) restore(operation string, held []*heldKey) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.held == nil {
+		f.held = make(map[string][]*heldKey)
+	}
+	f.held[operation] = append(f.held[operation], held...)
 }
 
 // startLocked starts a call's flight of operation, which supersedes the

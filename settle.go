@@ -29,6 +29,10 @@ type heldKey struct {
 	// before the redirect this call followed (see flights), and the key
 	// is that call's to release: Settle releases nothing.
 	shared bool
+	// superseded, for a shared outcome, lists the outcomes of the other
+	// calls that its request superseded, given back once it is delivered
+	// (see flights.restore).
+	superseded []*heldKey
 
 	mu      sync.Mutex // serializes Settles of this response
 	settled bool       // a Settle released the key
@@ -42,7 +46,7 @@ type heldKeyCtx struct{}
 // outcome; if so, it is delivered once its body has been read to its end
 // or closed (see decide), and at once if it has none.
 func (c *call) holdKey(resp *http.Response, final bool) *heldKey {
-	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode, shared: c.shared}
+	h := &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, status: resp.StatusCode, shared: c.shared, superseded: c.superseded}
 	switch {
 	case !final:
 		h.fate.Store(heldNotFinal)
@@ -62,7 +66,10 @@ func (h *heldKey) decide(delivered bool) {
 	if delivered {
 		fate = heldDelivered
 	}
-	h.fate.CompareAndSwap(heldUndecided, fate)
+	if h.fate.CompareAndSwap(heldUndecided, fate) && delivered && len(h.superseded) > 0 {
+		// The caller of this shared outcome holds the flight still.
+		h.owner.flights.restore(h.operation, h.superseded)
+	}
 }
 
 // Settle releases the idempotency key of the operation whose call returned
@@ -82,14 +89,19 @@ func (h *heldKey) decide(delivered bool) {
 // A call of the operation started since the call that returned resp (in
 // this process, among the Transports whose calls of the operation are kept
 // apart; see [WithOperation]) supersedes resp: it sent the key again, and
-// its caller, whose outcome need not be final, may need the key still.
-// Settle of a superseded response returns nil and releases nothing; the
+// its caller, whose outcome need not be final, may need the key still. So
+// does a call that ended with nothing sent (its context ended first, or
+// the rate limiter or the breaker refused it): its caller may have sent
+// the key in an earlier call whose outcome it never learnt. Settle of a
+// superseded response returns nil and releases nothing; the
 // later call's outcome, or its Settle, releases the key by these same
 // rules. The same holds for the response to the request that follows a
 // redirect after another call of the operation ran in between (see
 // WithOperation): its outcome is final for its caller, but the key is the
 // other call's, and once the body has been read to its end or closed,
-// Settle returns nil and releases nothing.
+// Settle returns nil and releases nothing. That request superseded the
+// other call's outcome while its own might not reach its caller; once it
+// has, the other call's Settle releases the key again.
 //
 // A response of a call made without HoldKey, without an operation, or
 // through a RoundTripper other than a [Transport] holds no key for

@@ -70,7 +70,10 @@ import (
 // the call that recorded it, and sent once: net/http sends a request that
 // carries an idempotency key again by itself, on a new connection, when a
 // reused one fails before the response, and the first send may have
-// reached the server. Once the key may have reached the server (an
+// reached the server. (Nothing tells that resend from one made because not
+// a byte of the first send could be written, so a 4xx answering either
+// keeps the key pending; the next call gets the server's replay of it.)
+// Once the key may have reached the server (an
 // earlier attempt of the call, or an earlier call that left it pending), a
 // 4xx keeps it pending unless the server marks the response as the replay
 // of the outcome it stored for the key (Idempotent-Replayed: true): a layer
@@ -249,9 +252,12 @@ type call struct {
 	// shared: another call of the operation sent its key after a redirect
 	// this request follows was returned, and its caller may need the key
 	// still: this request's outcome must not release it (see flights).
-	shared  bool
-	pending bool // opKey is pending in the KeyStore under operation
-	resend  bool // the request may be sent again after it reached the server
+	shared bool
+	// superseded lists the outcomes awaiting Settle of the calls that
+	// shared the key, which this request took over (see flights.follow).
+	superseded []*heldKey
+	pending    bool // opKey is pending in the KeyStore under operation
+	resend     bool // the request may be sent again after it reached the server
 	// watchBody: the request may be sent again only if nothing reached the
 	// server, so each attempt notes whether its body was read.
 	watchBody bool
@@ -355,11 +361,17 @@ func (c *call) deliver(n int, o outcome) *http.Response {
 	// A call that shares the key with another releases nothing: the key
 	// is the other call's (see flights).
 	release := final && !c.shared
-	if c.hold && c.pending {
+	switch {
+	case c.hold && c.pending:
 		// A shared outcome is final all the same, and Settle must learn
 		// when it has been delivered, though it releases nothing then.
 		c.held = c.holdKey(resp, final)
 		release = final
+	case final && len(c.superseded) > 0:
+		// Releases nothing either, but gives back, once delivered, the
+		// outcomes it superseded (see flights.restore).
+		c.held = &heldKey{owner: c.keyOwner(), operation: c.operation, key: c.opKey, shared: true, superseded: c.superseded}
+		release = true
 	}
 	if release && (resp.Body == http.NoBody || !bodyAllowed(c.method, resp.StatusCode)) {
 		// A 1xx here is 101 Switching Protocols: the body is the
@@ -538,11 +550,11 @@ func (c *call) startFlight(f *flights, operation string) error {
 // the redirect was returned, this request's outcome releases nothing.
 func (c *call) followFlight() error {
 	f := c.keyOwner().flights
-	n, another, err := f.follow(c.operation, c.flightN)
+	n, superseded, another, err := f.follow(c.operation, c.flightN)
 	if err != nil {
 		return err
 	}
-	c.flight, c.flightN = f, n
+	c.flight, c.flightN, c.superseded = f, n, superseded
 	c.shared = c.shared || another
 	return nil
 }
