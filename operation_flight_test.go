@@ -32,6 +32,20 @@ type lostBody struct{ io.ReadCloser }
 
 func (lostBody) Read([]byte) (int, error) { return 0, io.ErrUnexpectedEOF }
 
+// losingMarked returns a base transport that sends each request through
+// real, and loses the response of one marked with faultHeader: the
+// request reached the server, and its caller gets an error.
+func losingMarked(real http.RoundTripper) roundTripFunc {
+	return func(r *http.Request) (*http.Response, error) {
+		resp, err := real.RoundTrip(r)
+		if err == nil && r.Header.Get(faultHeader) != "" {
+			discard(resp)
+			return nil, io.ErrUnexpectedEOF
+		}
+		return resp, err
+	}
+}
+
 // chargeServer is an httptest server that runs a charge behind
 // idemserver's middleware, and counts how often the charge ran and which
 // keys reached the middleware.
@@ -575,15 +589,7 @@ func TestCallInARedirectsGapKeepsItsKeyPending(t *testing.T) {
 			defer srv.Close()
 			// A request marked with faultHeader reaches the server, and its
 			// response is lost.
-			real := srv.Client().Transport
-			base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
-				resp, err := real.RoundTrip(r)
-				if err == nil && r.Header.Get(faultHeader) != "" {
-					discard(resp)
-					return nil, io.ErrUnexpectedEOF
-				}
-				return resp, err
-			})
+			base := losingMarked(srv.Client().Transport)
 			store := NewMemoryKeyStore()
 			tr := NewTransport(base, WithKeyStore(store), WithMaxAttempts(1))
 			defer tr.CloseIdleConnections()

@@ -99,15 +99,7 @@ func TestSettleOfACallThatSharedItsKeyLeavesItPending(t *testing.T) {
 		charge.ServeHTTP(w, r)
 	}))
 	t.Cleanup(srv.Close)
-	real := newBaseTransport(t)
-	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
-		resp, err := real.RoundTrip(r)
-		if err == nil && r.Header.Get(faultHeader) != "" {
-			discard(resp)
-			return nil, io.ErrUnexpectedEOF
-		}
-		return resp, err
-	})
+	base := losingMarked(newBaseTransport(t))
 	store := NewMemoryKeyStore()
 	tr := NewTransport(base, WithKeyStore(store), WithMaxAttempts(1))
 

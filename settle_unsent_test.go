@@ -28,15 +28,7 @@ func TestSettleAfterALaterCallThatSentNothingKeepsTheKey(t *testing.T) {
 	}))
 	srv := httptest.NewServer(pay)
 	t.Cleanup(srv.Close)
-	real := newBaseTransport(t)
-	base := roundTripFunc(func(r *http.Request) (*http.Response, error) {
-		resp, err := real.RoundTrip(r)
-		if err == nil && r.Header.Get(faultHeader) != "" {
-			discard(resp)
-			return nil, io.ErrUnexpectedEOF
-		}
-		return resp, err
-	})
+	base := losingMarked(newBaseTransport(t))
 	store := NewMemoryKeyStore()
 	tr := NewTransport(base, WithKeyStore(store), WithMaxAttempts(1))
 	op := func() context.Context { return WithOperation(context.Background(), "order-1") }
