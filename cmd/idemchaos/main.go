@@ -16,9 +16,10 @@
 // the key was released on the header, and the call pays again. A cut
 // never answered again means the same (the worker was killed before it
 // called again, and its successor found the key no longer pending).
-// During the run the client is killed with SIGKILL at random moments and started again; each new worker first drives every operation
-// its key store has pending to a final outcome, then makes the payments not
-// yet made. The worker records each payment it saw succeed (fsynced) before
+// During the run the client is killed with SIGKILL at random moments and
+// started again; each new worker first drives every operation its key
+// store has pending to a final outcome, then makes the payments not yet
+// made. The worker records each payment it saw succeed (fsynced) before
 // it lets the key go. With a store that outlives the server process, the
 // server is killed with SIGKILL too, each time just after a handler made
 // its payment and before it answered, and started again on the same
