@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -125,4 +126,28 @@ func TestWorkerCallsAgainAfterCutBody(t *testing.T) {
 				"(the key was released before the body was read): op-1\n")
 		})
 	}
+}
+
+// TestReportCutNeverAnswered checks the verdict on a cut body after which
+// the operation was never answered again: the worker was killed between
+// the cut and the call again, and its successor did not drive the
+// operation, so its key was no longer pending (it had been released on
+// the header). No run of the handler shows it; only the missing answer
+// does.
+func TestReportCutNeverAnswered(t *testing.T) {
+	dir := t.TempDir()
+	f := files{ledger: filepath.Join(dir, "ledger"), clientLog: filepath.Join(dir, "log")}
+	require.NoError(t, os.WriteFile(f.ledger, []byte("charged op-1 d1 0\ncharged op-2 d2 0\n"), 0o644))
+	require.NoError(t, os.WriteFile(f.clientLog, []byte(
+		"done op-1 201 false k1\ncut op-1 k1\n"+ // killed here; k1 was released
+			"done op-2 201 false k2\ncut op-2 k2\ndone op-2 201 true k2\n"), 0o644))
+	r := &report{scenario: &scenario{ops: 2, spec: storeSpec{name: "postgres"}}}
+	require.NoError(t, r.read(f, nil))
+	assert.Equal(t, 2, r.cuts)
+	assert.Equal(t, []string{"op-1"}, r.cutUnanswered)
+	assert.True(t, r.failed())
+	var out strings.Builder
+	r.print(&out)
+	assert.Contains(t, out.String(), "\ncut bodies never answered again: 1\n")
+	assert.NotContains(t, out.String(), "PASS")
 }

@@ -13,10 +13,13 @@
 // the operation's key pending (the Transport releases it only once the
 // body is read to EOF): the worker calls the operation again at once and
 // must be answered under the same key, by a replay; a new key there means
-// the key was released on the header, and the call pays again. During the run the client is killed with SIGKILL at random
-// moments and started again; each new worker first drives every operation
-// its key store has pending to a final outcome, then makes the payments not
-// yet made. The worker records each payment it saw succeed (fsynced) before
+// the key was released on the header, and the call pays again. A cut
+// never answered again means the same (the worker was killed before it
+// called again, and its successor found the key no longer pending).
+// During the run the client is killed with SIGKILL at random moments and
+// started again; each new worker first drives every operation its key
+// store has pending to a final outcome, then makes the payments not yet
+// made. The worker records each payment it saw succeed (fsynced) before
 // it lets the key go. With a store that outlives the server process, the
 // server is killed with SIGKILL too, each time just after a handler made
 // its payment and before it answered, and started again on the same
@@ -47,7 +50,8 @@
 // handler rather than a replay had its outcome forgotten, unless the ledger
 // shows a run that lease mode allows (see replaycheck.go). The report has
 // lines that read "duplicates: N", "lost: N", "wrong answers: N", "wrong
-// answers at the end: N" and "new keys after cut bodies: N", and counts the attempts (requests that reached
+// answers at the end: N", "new keys after cut bodies: N" and "cut bodies
+// never answered again: N", and counts the attempts (requests that reached
 // the proxy), the retries (attempts beyond one per operation), the replays served
 // (responses marked Idempotent-Replayed that passed the proxy, including
 // those it then dropped), the faults injected, the re-executions after
@@ -55,7 +59,8 @@
 // the client kills, the server restarts, the seed and the wall time.
 // idemchaos exits with status 1, naming the operations, if there are
 // duplicates, lost operations, wrong answers (during the run or at its
-// end) or new keys after cut bodies, or operations the client never saw succeed; with status 2 if the
+// end), new keys after cut bodies or cut bodies never answered again, or
+// operations the client never saw succeed; with status 2 if the
 // scenario could not be run, or if it ran but made fewer client kills or
 // server restarts than asked (each is due once a share of the operations
 // is done, only while some are left and after progress since the last

@@ -52,6 +52,11 @@ type report struct {
 	// response's: the client released the key before it had read the body.
 	cuts, cutReplays int
 	newKeyAfterCut   []string
+	// cutUnanswered lists the operations whose last cut response was
+	// never followed by an answer: the worker was killed before it called
+	// again, and its successor did not drive the operation, so its key was
+	// no longer pending though its body had not been read.
+	cutUnanswered []string
 	// end is the check that sends every operation again at the end of the
 	// run, with the key it completed with (see replaycheck.go).
 	end endCheck
@@ -168,6 +173,9 @@ func (r *report) read(f files, payments []entry) error {
 			r.replaysReceived++
 		}
 	}
+	for op := range cutKey {
+		r.cutUnanswered = append(r.cutUnanswered, op)
+	}
 	for _, op := range ops {
 		var why []string
 		switch n := r.executions[op]; {
@@ -195,13 +203,14 @@ func (r *report) read(f files, payments []entry) error {
 	r.wrong = slices.Compact(r.wrong)
 	slices.Sort(r.newKeyAfterCut)
 	r.newKeyAfterCut = slices.Compact(r.newKeyAfterCut)
+	slices.Sort(r.cutUnanswered)
 	return nil
 }
 
 // failed reports whether the run broke the promise or did not finish.
 func (r *report) failed() bool {
 	return len(r.duplicated)+len(r.lost)+len(r.unfinished)+len(r.refused)+len(r.wrong)+len(r.strangers)+
-		len(r.end.wrong)+len(r.newKeyAfterCut) > 0
+		len(r.end.wrong)+len(r.newKeyAfterCut)+len(r.cutUnanswered) > 0
 }
 
 // incomplete reports whether the run made fewer client kills or server
@@ -253,6 +262,7 @@ func (r *report) print(w io.Writer) {
 	fmt.Fprintf(w, "cut bodies called again: %d\n", r.cuts)
 	fmt.Fprintf(w, "replays after cut bodies: %d\n", r.cutReplays)
 	fmt.Fprintf(w, "new keys after cut bodies: %d\n", len(r.newKeyAfterCut))
+	fmt.Fprintf(w, "cut bodies never answered again: %d\n", len(r.cutUnanswered))
 	fmt.Fprintf(w, "duplicates: %d\n", len(r.duplicated))
 	fmt.Fprintf(w, "lost: %d\n", len(r.lost))
 	fmt.Fprintf(w, "wrong answers: %d\n", len(r.wrong))
@@ -285,6 +295,8 @@ func (r *report) print(w io.Writer) {
 		{"operations answered 201 with a body other than their receipt", r.wrong},
 		{"operations called again with a new key after a cut body (the key was released before the body was read)",
 			r.newKeyAfterCut},
+		{"operations never answered again after a cut body (the key was released before the body was read)",
+			r.cutUnanswered},
 		{"executed operations not in the scenario", r.strangers},
 		{"operations answered other than 201 with their receipt when sent again at the end", r.end.wrong},
 		{"operations whose handler ran again when sent again at the end", r.end.ranAgain},

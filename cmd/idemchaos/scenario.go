@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/idemhttp/idemhttp/idemtest"
@@ -299,7 +300,9 @@ func (sc *scenario) run(ctx context.Context) (rep *report, err error) {
 		if restartAt.due(done) {
 			restartAt.made(done)
 			sc.awaitEffect(ctx, f.ledger)
-			server.kill()
+			if !server.kill() { // it exited in the meantime, unasked
+				return nil, fmt.Errorf("server %d exited by itself: %v", rep.serverRestarts, server.err)
+			}
 			rep.serverRestarts++
 			if server, err = sc.startServer(ctx, f.ledger, rep.serverRestarts, sock); err != nil {
 				return nil, err
@@ -475,7 +478,10 @@ func (sc *scenario) start(role string, args []string, extra []*os.File, stdout *
 }
 
 // kill kills the process with SIGKILL, waits for it to be gone, and reports
-// whether it was still running.
+// whether the signal ended it. A process that exited by itself just before
+// (its exit not yet waited for, so the signal still finds it) was not
+// killed: its exit status stands, and the run must not count a kill that
+// did not happen.
 func (c *child) kill() bool {
 	select {
 	case <-c.exited:
@@ -484,7 +490,8 @@ func (c *child) kill() bool {
 	}
 	_ = c.cmd.Process.Kill()
 	<-c.exited
-	return true
+	ws, ok := c.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
 }
 
 // stop asks the process to end with SIGINT and waits for it.
