@@ -2,6 +2,7 @@ package idemserver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"strings"
@@ -321,8 +322,15 @@ func (s *MemoryStore) makeRoom(sh *memShard, size, now int64, list bool) ([]Evic
 
 // Complete implements [Store].
 func (s *MemoryStore) Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error {
+	if resp == nil {
+		return errNoResponse
+	}
 	return s.CompletePacked(ctx, PackedCompletion{Key: key, Token: token, Response: packedOf(partsOf(resp)), Expires: expires})
 }
+
+// errNoResponse is the error of a Complete with a nil response, which
+// changes nothing (see [Store.Complete]).
+var errNoResponse = errors.New("idemserver: complete: no response")
 
 // CompletePacked implements [PackedStore]. It copies the response.
 func (s *MemoryStore) CompletePacked(ctx context.Context, c PackedCompletion) error {

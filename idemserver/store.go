@@ -129,7 +129,11 @@ type Store interface {
 	// Complete sent again with the token and response of the one that
 	// completed the record returns nil, as that one did: the middleware
 	// sends it again when the first one's answer did not come in time
-	// (see [WithStoreTimeout]).
+	// (see [WithStoreTimeout]). A nil resp is no outcome: Complete
+	// returns an error wrapping none of the errors above and leaves the
+	// record as it was, still held by token, for its holder to Complete
+	// with a response or Release (a transactional store keeps the claim's
+	// transaction open).
 	Complete(ctx context.Context, key Key, token string, resp *Response, expires time.Time) error
 
 	// Release deletes the in-progress record of key, provided it still

@@ -540,16 +540,17 @@ func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, 
 	// header map's, which differs from one walk to the next: a completion
 	// sent again with the same response must carry the same bytes, by
 	// which the complete statement knows it stored them already.
-	var encoded []byte
-	err := errNoResponse
-	if resp != nil {
-		encoded, err = respcodec.Encode(resp), nil
+	if resp == nil {
+		// Not an outcome: the claim stays as it was, its transaction
+		// open, for its holder to complete or release.
+		return errNoResponse
 	}
-	return s.complete(ctx, key, token, encoded, err, time.Time{}, expires)
+	return s.complete(ctx, key, token, respcodec.Encode(resp), nil, time.Time{}, expires)
 }
 
-// errNoResponse is the error of a completion without a response.
-var errNoResponse = errors.New("no response")
+// errNoResponse is the error of a Complete with a nil response, which
+// changes nothing (see [idemserver.Store.Complete]).
+var errNoResponse = errors.New("pgstore: complete: no response")
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
 // the response given packed and the retention measured from c.Now, the

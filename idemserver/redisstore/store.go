@@ -411,11 +411,18 @@ func decoded(claimed bool, r record, err error) (idemserver.ClaimResult, error) 
 // record before the middleware's clock says it has ended. A record completed
 // with an expiry at least MaxClockSkew past on the store's clock is deleted.
 func (s *Store) Complete(ctx context.Context, key idemserver.Key, token string, resp *idemserver.Response, expires time.Time) error {
+	if resp == nil {
+		return errNoResponse
+	}
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	return s.completeWith(ctx, key, token, respcodec.Encode(resp), time.Time{}, expires)
 }
+
+// errNoResponse is the error of a Complete with a nil response, which
+// changes nothing (see [idemserver.Store.Complete]).
+var errNoResponse = errors.New("redisstore: complete: no response")
 
 // CompletePacked implements [idemserver.PackedStore]: it is Complete, with
 // the response translated from the packed form to the stored encoding

@@ -92,8 +92,9 @@ const (
 // from claim to completion or release, expiry of records and leases,
 // Extend, takeovers, ErrLeaseLost for stale lease tokens, concurrent
 // claims and takeovers (exactly one winner), a completion racing takeovers
-// (the one or a takeover wins), responses kept byte for byte, scopes kept
-// apart, and cancelled contexts. A store that holds responses (an
+// (the one or a takeover wins), responses kept byte for byte, a Complete
+// without a response (refused, the claim kept), scopes kept apart, and
+// cancelled contexts. A store that holds responses (an
 // [idemserver.ResponseHolder] whose HoldResponses reports true) must say
 // so on every claim it wins too, in [idemserver.ClaimResult.Hold], which
 // a wrapper of the store cannot hide.
@@ -116,6 +117,7 @@ func Run(t *testing.T, newStore func(t *testing.T) idemserver.Store) {
 		{"CompleteAfterLeaseEnded", testCompleteAfterLeaseEnded},
 		{"CompleteSentAgain", testCompleteSentAgain},
 		{"StaleCompleteOfSameResponse", testStaleCompleteOfSameResponse},
+		{"CompleteWithoutResponse", testCompleteWithoutResponse},
 		{"ConcurrentTakeOvers", testConcurrentTakeOvers},
 		{"CompleteRacesTakeOvers", testCompleteRacesTakeOvers},
 		{"Extend", testExtend},
@@ -145,6 +147,7 @@ func RunTransactional(t *testing.T, newStore func(t *testing.T) idemserver.Store
 		{"ConcurrentClaims", testConcurrentClaims},
 		{"ConcurrentClaimsOfExpiredRecord", testConcurrentClaimsOfExpiredRecord},
 		{"Expiry", testExpiry},
+		{"CompleteWithoutResponse", testCompleteWithoutResponse},
 		{"Extend", testExtendTransactional},
 		{"StaleTokens", testStaleTokens},
 		{"Responses", testResponses},
@@ -376,6 +379,11 @@ func (h *harness) expectInProgress(key idemserver.Key, l lease) {
 	c := h.newClaim(key, fp("other request"), live)
 	res, err := h.claimOf(h.t.Context(), c, false, "")
 	require.NoError(h.t, err)
+	if res.Claimed {
+		// Ended with the test: a transactional store's claim left open
+		// would hold its connection and lock past it.
+		h.leaseOf(c, res)
+	}
 	require.False(h.t, res.Claimed, "the key should be in progress")
 	h.assertInProgress(c, l.c, res.Record)
 }
@@ -825,6 +833,44 @@ func testStaleCompleteOfSameResponse(t *testing.T, h *harness) {
 		"the completion of the lease that ended, with the same response")
 	require.NoError(t, h.complete(l, created, live), "the takeover's completion sent again")
 	h.expectReplay(key, f, created)
+}
+
+// testCompleteWithoutResponse calls Complete with a nil response, which
+// the middleware never sends but another caller of the store may: the
+// store must refuse it with an error, neither panic nor store a record
+// that cannot be replayed, and leave the claim as it was, for its holder
+// to complete or release. The error reports no lost lease, rollback or
+// unknown outcome, since none happened. (A PackedCompletion has no nil
+// response to give; the packed pass skips this.)
+func testCompleteWithoutResponse(t *testing.T, h *harness) {
+	if h.packed != nil {
+		t.Skip("checked through Complete in the unpacked pass")
+	}
+	f := fp("request")
+	for _, then := range []string{"Complete", "Release"} {
+		t.Run("then "+then, func(t *testing.T) {
+			h := h.sub(t)
+			key := idemserver.Key{Key: "no-response/" + then}
+			l := h.mustClaim(key, f, live)
+			var err error
+			require.NotPanics(t, func() {
+				err = h.s.Complete(context.WithoutCancel(l.ctx), l.c.Key, l.c.Token, nil, time.Now().Add(live))
+			}, "Complete with a nil response")
+			require.Error(t, err, "Complete with a nil response")
+			for _, sentinel := range []error{idemserver.ErrLeaseLost, idemserver.ErrRolledBack,
+				idemserver.ErrOutcomeUnknown, idemserver.ErrRetryRequest} {
+				assert.NotErrorIs(t, err, sentinel, "Complete with a nil response")
+			}
+			h.expectInProgress(key, l)
+			if then == "Release" {
+				require.NoError(t, h.release(l), "Release after a Complete with a nil response")
+				h.expectFree(key)
+				return
+			}
+			require.NoError(t, h.complete(l, created, live), "Complete after a Complete with a nil response")
+			h.expectReplay(key, f, created)
+		})
+	}
 }
 
 func testConcurrentTakeOvers(t *testing.T, h *harness) {
